@@ -1,16 +1,30 @@
 #!/usr/bin/env bash
-# The one GPU call: tests marked gpu, the roofline, the examples; a short table last.
+# The one GPU call: tests marked gpu, the roofline, the examples, the GEMM ladder; a short table last.
 # On the device machine: bash scripts/gpu_check.sh   (writes under $OUT, or ./gpu-out)
+# PARTS picks what runs (default: all): any of  tests examples ladder sweep
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
 export KFORGE_CACHE_DIR="${KFORGE_CACHE_DIR:-/tmp/kforge-cache}"
+parts=" ${PARTS:-tests examples ladder sweep} "
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$out/nvidia-smi.csv"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
-# The CLI as a user sees it, for the README; `kforge roofline` measures and caches the ceilings.
-COLUMNS=150 python3 -m kforge roofline 2>&1 | tee "$out/cli_roofline.txt"
-COLUMNS=150 python3 -m kforge eval examples/problems/softmax.py examples/triton/softmax.py --no-save 2>&1 \
-  | tee "$out/cli_eval.txt"
-python3 scripts/gpu_check.py --out "$out" "$@" 2>&1 | tee "$out/gpu_check.log"
+python3 -c "import torch, triton, cuda.core; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'cuda.core', cuda.core.__version__)"
+# `kforge roofline` measures and caches the ceilings every evaluation below reads.
+python3 -m kforge roofline 2>&1 | tee "$out/cli_roofline.txt"
+if [[ $parts == *" tests "* ]]; then
+  python3 -m pytest -q -m gpu tests 2>&1 | tail -25 | tee "$out/pytest-gpu.log"
+fi
+if [[ $parts == *" examples "* ]]; then
+  python3 -m kforge eval examples/problems/softmax.py examples/triton/softmax.py --no-save 2>&1 | tee "$out/cli_eval.txt"
+  python3 scripts/gpu_check.py --out "$out" --skip-tests 2>&1 | tee "$out/gpu_check.log"
+fi
+if [[ $parts == *" sweep "* ]]; then
+  python3 -m kforge ladder gemm --dtype fp32 --size 4096 --sweep --time-budget 2 \
+    --results "$out/ladder-gemm-fp32-sweep.jsonl" 2>&1 | tee "$out/ladder-sweep.txt"
+fi
+if [[ $parts == *" ladder "* ]]; then
+  python3 -m kforge ladder gemm --dtype fp32 --size 4096 --results "$out/ladder-gemm-fp32.jsonl" 2>&1 \
+    | tee "$out/ladder.txt"
+fi

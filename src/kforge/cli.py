@@ -145,6 +145,88 @@ def suite_command(
         out.print(suite_view(summary, device_name, str(results)))
 
 
+class LadderFamily(str, Enum):
+    gemm = "gemm"
+
+
+@app.command("ladder")
+def ladder_command(
+    family: LadderFamily = typer.Argument(..., help="Which ladder: gemm."),
+    dtype: str = typer.Option("fp32", help="Data type of the ladder (fp32: CUDA cores)."),
+    size: int = typer.Option(4096, min=1, help="M = N = K."),
+    rungs: str = typer.Option(None, help="Rungs to run, e.g. 1,5,9 (default: all).", show_default=False),
+    sweep: bool = typer.Option(False, help="Instead of the rungs, time every shape in the tuned rung's sweep."),
+    time_budget: float = typer.Option(5.0, min=0.1, help="Seconds of timed rounds per rung at most."),
+    results: Path = typer.Option(None, help="JSONL file the records are appended to "
+                                 "(default: ladder-<family>-<dtype>[-sweep].jsonl).", show_default=False),
+    chart: Path = typer.Option(None, help="PNG chart of the climb (default: the results path with .png).",
+                               show_default=False),
+    replot: bool = typer.Option(False, help="Measure nothing: redraw the table and chart from the records in "
+                                "--results (the latest record of each rung)."),
+) -> None:
+    """Run every rung of a kernel ladder through the harness: one table, one chart."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from kforge.harness.record import read_records
+    from kforge.ladder import get_ladder, ladder_rows, latest_per_step, require_gpu, run_ladder, save_chart
+    from kforge.views import ladder_view
+
+    ladder = get_ladder(family.value, dtype)
+    stem = f"ladder-{ladder.family}-{ladder.dtype}" + ("-sweep" if sweep else "")
+    results = results or Path(f"{stem}.jsonl")
+    chart = chart or results.with_suffix(".png")
+    if replot:
+        if not results.is_file():
+            raise KforgeError(f"nothing to replot: {results} does not exist")
+        records = latest_per_step(read_records(results))
+        if not records:
+            raise KforgeError(f"nothing to replot: {results} holds no records")
+        device_name, size_text = records[0]["device"]["name"], records[0]["problem"].get("size")
+    else:
+        require_gpu()
+        steps = ladder.sweep() if sweep else ladder.steps(rungs.split(",") if rungs else None)
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=err) as progress:
+            task = progress.add_task("ladder", total=len(steps))
+            records = run_ladder(ladder, size, steps, time_budget=time_budget, results=results,
+                                 on_step=lambda label, record: progress.update(
+                                     task, description=f"{label}" if record is None else "ladder",
+                                     advance=0 if record is None else 1))
+        device_name, size_text = records[0].device["name"], f"{size}^3"
+    rows = ladder_rows(records, ladder.dtype)
+    if sweep:
+        rows = sorted(rows, key=lambda r: -(r.gflops or 0))
+    title = (f"{ladder.family} {ladder.dtype}{' sweep' if sweep else ''}, {size_text} on {device_name}: "
+             f"vs {ladder.library}")
+    out.print(ladder_view(rows, title=title, library=ladder.library, results_path=None if replot else str(results),
+                          chart_path=None))
+    save_chart(rows, chart, title=title, library=ladder.library)
+    err.print(f"chart saved to {chart}", style="dim")
+
+
+@app.command("resources")
+def resources_command(
+    sources: list[Path] = typer.Argument(None, help=".cu files (default: every one in kforge's kernels).",
+                                         show_default=False),
+    arch: str = typer.Option("sm_90a", help="Architecture to compile for (no GPU needed)."),
+) -> None:
+    """Compile CUDA sources with NVRTC and report registers, shared memory and spills per kernel."""
+    from rich.table import Table
+
+    from kforge.runtime.cuda import compile_cuda, resources
+
+    sources = sources or sorted((Path(__file__).parent / "kernels").rglob("*.cu"))
+    table = Table(title=f"kernel resources for {arch} (ptxas via NVRTC; cuobjdump)", title_justify="left")
+    for column in ("source", "kernel", "registers", "shared B", "stack B", "spill stores B", "spill loads B"):
+        table.add_column(column, justify="left" if column in ("source", "kernel") else "right")
+    for source in sources:
+        for name, r in resources(compile_cuda(source, arch=arch)).items():
+            table.add_row(source.name, name, str(r.registers), f"{r.shared_bytes:,}", str(r.stack_bytes),
+                          str(r.spill_stores), str(r.spill_loads),
+                          style="red" if r.spill_stores or r.spill_loads else None)
+    out.print(table)
+
+
 def _slots(gpus: str | None) -> tuple[list[int | None], str]:
     """The GPUs a suite may use, and the device name its pairs are keyed by."""
     import torch

@@ -122,3 +122,11 @@ def _host_memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def cache_dir() -> Path:
+    """$KFORGE_CACHE_DIR, else $XDG_CACHE_HOME/kforge, else ~/.cache/kforge."""
+    if os.environ.get("KFORGE_CACHE_DIR"):
+        return Path(os.environ["KFORGE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kforge"

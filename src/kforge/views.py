@@ -187,6 +187,33 @@ def suite_view(summary, device_name: str, results_path: str) -> Group:
     return Group(table, scores, note)
 
 
+def ladder_view(rows, *, title: str, library: str, results_path: str | None, chart_path: str | None) -> Group:
+    """One row per rung: its time, GFLOP/s, % of the library, % of peak, step over the last rung."""
+    table = Table(title=title, title_justify="left")
+    for column in ("rung", "status", "time", "GFLOP/s", f"% of {library}", "% of peak", "step"):
+        table.add_column(column, justify="left" if column in ("rung", "status") else "right")
+    for row in rows:
+        label, style = VERDICT_STYLE.get(row.status, (row.status.upper(), "dim"))
+        if row.status == "slower":
+            label, style = "correct, slower", "yellow"  # gate 1 passed; how much slower: the % column
+        table.add_row(row.label, Text(label, style=style), fmt_ms(row.ms), _num(row.gflops, "{:,.0f}"),
+                      fmt_pct(row.pct_library), fmt_pct(row.pct_peak),
+                      _num(row.step_speedup, "{:.2f}x"))
+    parts = [table]
+    library_ms = sorted(r.library_ms for r in rows if r.library_ms)
+    if library_ms:
+        parts.append(Text(f"{library}: median {fmt_ms(library_ms[len(library_ms) // 2])} over the rungs' runs "
+                          "(timed interleaved with each rung)", style="dim"))
+    for row in rows:
+        if row.status not in ("slower", "passed") and row.reason:
+            parts.append(Text(f"{row.label}: {row.reason}", style="red"))
+    if results_path:
+        parts.append(Text(f"records appended to {results_path}", style="dim"))
+    if chart_path:
+        parts.append(Text(f"chart saved to {chart_path}", style="dim"))
+    return Group(*parts)
+
+
 # --- RESULTS.md: the records under benchmarks/results as Markdown tables -----------------
 
 
@@ -205,7 +232,9 @@ def results_markdown(root: Path) -> str:
             lines += _ceilings_markdown(Ceilings.from_dict(json.loads(ceilings_file.read_text())))
         for jsonl in sorted(device_dir.glob("*.jsonl")):
             records = read_records(jsonl)
-            if records:
+            if records and jsonl.stem.startswith("ladder-"):
+                lines += _ladder_markdown(jsonl.stem, records)
+            elif records:
                 lines += _records_markdown(jsonl.stem, records)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -250,6 +279,27 @@ def _records_markdown(bench: str, records: list[dict]) -> list[str]:
         ]) + " |")
         if r.get("command") and r["command"] not in commands:
             commands.append(r["command"])
+    versions = records[-1].get("versions", {})
+    out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
+    if commands:
+        out += ["Commands:", "", "```", *commands, "```", ""]
+    return out
+
+
+def _ladder_markdown(bench: str, records: list[dict]) -> list[str]:
+    from kforge.ladder import ladder_rows
+
+    dtype = records[0]["roofline"]["compute_dtype"] if records[0].get("roofline") else "fp32"
+    out = [f"### {bench}", "",
+           f"Problem size {records[0]['problem'].get('size')}; the library is the problem's reference, timed "
+           "interleaved with each rung (its time is the 'library' column).", "",
+           "| rung | status | time | library | GFLOP/s | % of library | % of peak | step | date |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for row, r in zip(ladder_rows(records, dtype), records):
+        out.append(f"| {row.label} | {row.status} | {fmt_ms(row.ms)} | {fmt_ms(row.library_ms)} | "
+                   f"{_num(row.gflops, '{:,.0f}')} | {fmt_pct(row.pct_library)} | {fmt_pct(row.pct_peak)} | "
+                   f"{_num(row.step_speedup, '{:.2f}x')} | {r['created'][:10]} |")
+    commands = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
     versions = records[-1].get("versions", {})
     out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
     if commands:

@@ -23,7 +23,7 @@ these kforge names (all optional):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -124,8 +124,12 @@ class Problem:
         return None
 
 
-def load_problem(path: str | Path, size: str = "full") -> Problem:
-    """Import a problem file and check its names and kforge metadata."""
+def load_problem(path: str | Path, size: str = "full", constants: Mapping[str, int] | None = None) -> Problem:
+    """Import a problem file and check its names and kforge metadata.
+
+    `constants` overrides module-level size constants (e.g. {"M": 4096}) after `size`
+    is applied; the problem's size then reads "M=4096,..." in its records.
+    """
     if size not in SIZES:
         raise ProblemError(f"unknown size {size!r} (expected one of {', '.join(SIZES)})")
     path = Path(path).resolve()
@@ -146,6 +150,9 @@ def load_problem(path: str | Path, size: str = "full") -> Problem:
         size = "tiny" if hasattr(module, "tiny_sizes") else "full"
     if size == "tiny":
         _apply_tiny_sizes(module, path)
+    if constants:
+        _override_constants(module, constants, "the size override")
+        size = ",".join(f"{name}={value}" for name, value in constants.items())
     return Problem(
         path=path,
         sha256=file_sha256(path),
@@ -175,9 +182,13 @@ def _apply_tiny_sizes(module: ModuleType, path: Path) -> None:
         )
     if not isinstance(sizes, dict):
         raise ProblemError("problem's `tiny_sizes` must be a dict of constant names to values")
-    for name, value in sizes.items():
+    _override_constants(module, sizes, "`tiny_sizes`")
+
+
+def _override_constants(module: ModuleType, values: Mapping[str, object], where: str) -> None:
+    for name, value in values.items():
         if not hasattr(module, name):
-            raise ProblemError(f"`tiny_sizes` names {name!r}, which the problem does not define")
+            raise ProblemError(f"{where} names {name!r}, which the problem does not define")
         setattr(module, name, value)
 
 

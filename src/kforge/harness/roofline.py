@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import re
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kforge.device import DeviceInfo
+from kforge.device import DeviceInfo, cache_dir
 from kforge.harness.timing import TimingConfig, time_interleaved
 
 COMPUTE_DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
@@ -296,14 +295,6 @@ def _fp32_matmul_precision(precision: str):
 
 
 # --- the per-device cache ---------------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    """$KFORGE_CACHE_DIR, else $XDG_CACHE_HOME/kforge, else ~/.cache/kforge."""
-    if os.environ.get("KFORGE_CACHE_DIR"):
-        return Path(os.environ["KFORGE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kforge"
 
 
 def ceilings_path(device: DeviceInfo) -> Path:

@@ -1,0 +1,156 @@
+"""The fp32 GEMM ladder on CUDA cores: C = A @ B, from a naive kernel to a tuned one.
+
+Each rung is one numbered `.cu` file beside this one, opening with what it changed, why,
+and what it should buy; `kforge ladder gemm --dtype fp32` runs them all through the
+harness against cuBLAS (torch.matmul with TF32 off). This module only knows how to
+launch them: which file, which grid and block for a given shape.
+
+Every rung takes the same arguments, `sgemm(A, B, C, M, N, K)`, row-major fp32, and
+handles any size (tails of partial tiles and of sizes that are not multiples of 4).
+
+The work: 2*M*N*K flops over (M*K + K*N + M*N) * 4 bytes; at 4096^3 that is 137 GFLOP
+against 201 MB, ~680 flops per byte, far above the H100's ~20 fp32 flops per byte of
+HBM: compute-bound. The floor is the fp32 FMA rate: 132 SMs x 128 lanes x 2 flops x
+1.98 GHz = 67 TFLOP/s (2.05 ms at 4096^3); cuBLAS reaches about three quarters of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kforge.runtime.cuda import CudaKernel, LaunchError, compile_cuda, integer_defines
+
+HERE = Path(__file__).parent
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Rung:
+    number: int
+    name: str  # the file's stem without its number: "naive", "coalesced", ...
+    block: Callable[[Mapping[str, int]], tuple[int, int]]  # from the source's parameters
+    grid: Callable[[Mapping[str, int], int, int], tuple[int, int]]  # parameters, M, N
+
+    @property
+    def source(self) -> Path:
+        return HERE / f"{self.number:02d}_{self.name}.cu"
+
+    @property
+    def label(self) -> str:
+        return f"{self.number:02d}_{self.name}"
+
+    def parameters(self, defines: Mapping[str, int] | None = None) -> dict[str, int]:
+        """The tile parameters the kernel compiles with: its defaults, then `defines`."""
+        return {**integer_defines(self.source), **(defines or {})}
+
+
+def _square(p):  # one thread per element, TILE x TILE threads
+    return (p["TILE"], p["TILE"])
+
+
+def _by_rows(p, m, n):  # rung 1: blockIdx.x walks rows (part of its flaw)
+    return (_cdiv(m, p["TILE"]), _cdiv(n, p["TILE"]))
+
+
+def _tiles(p, m, n):  # blockIdx.x walks column tiles, blockIdx.y row tiles
+    if "TILE" in p:
+        return (_cdiv(n, p["TILE"]), _cdiv(m, p["TILE"]))
+    return (_cdiv(n, p["BN"]), _cdiv(m, p["BM"]))
+
+
+RUNGS: tuple[Rung, ...] = (
+    Rung(1, "naive", _square, _by_rows),
+    Rung(2, "coalesced", _square, _tiles),
+    Rung(3, "smem_tiling", _square, _tiles),
+    Rung(4, "blocktile_1d", lambda p: (p["BM"] * p["BN"] // p["TM"], 1), _tiles),
+    Rung(5, "blocktile_2d", lambda p: (p["BM"] * p["BN"] // (p["TM"] * p["TN"]), 1), _tiles),
+    Rung(6, "vectorized", lambda p: (p["BM"] * p["BN"] // (p["TM"] * p["TN"]), 1), _tiles),
+    Rung(7, "double_buffered", lambda p: (p["BM"] * p["BN"] // (p["TM"] * p["TN"]), 1), _tiles),
+    Rung(8, "warptiling", lambda p: (p["NUM_THREADS"], 1), _tiles),
+    Rung(9, "tuned", lambda p: (p["NUM_THREADS"], 1), _tiles),
+)
+
+# The shapes rung 9's sweep tries (rung 8's kernel; each satisfies its static_asserts).
+# Thread tile = (WM*WN) / (32 lanes) values; MIN_BLOCKS caps registers so that many
+# blocks fit on an SM; GROUP_M > 1 orders blocks for L2 reuse.
+_BASE = dict(BM=128, BN=128, BK=8, WM=64, WN=32, WNITER=2, TM=4, TN=4, NUM_THREADS=256, GROUP_M=1, MIN_BLOCKS=2)
+SWEEP: tuple[dict[str, int], ...] = (
+    _BASE,
+    {**_BASE, "GROUP_M": 8},
+    {**_BASE, "MIN_BLOCKS": 1},
+    {**_BASE, "MIN_BLOCKS": 1, "GROUP_M": 8},
+    {**_BASE, "BK": 16},
+    {**_BASE, "BK": 16, "MIN_BLOCKS": 1},
+    {**_BASE, "WM": 32, "WN": 64},
+    {**_BASE, "BN": 256, "WN": 64, "WNITER": 4, "MIN_BLOCKS": 1},  # 8 x 16 per thread
+    {**_BASE, "BM": 256, "WN": 64, "WNITER": 4, "MIN_BLOCKS": 1},  # 8 x 16 per thread
+    {**_BASE, "BM": 64, "WM": 32, "WN": 64, "NUM_THREADS": 128, "MIN_BLOCKS": 4},
+    {**_BASE, "BM": 64, "WM": 32, "WN": 64, "NUM_THREADS": 128, "MIN_BLOCKS": 3},
+)
+
+
+def rung(which: int | str) -> Rung:
+    for r in RUNGS:
+        if which in (r.number, r.name, r.label, str(r.number)):
+            return r
+    raise LaunchError(f"no fp32 GEMM rung {which!r} (rungs: {', '.join(r.label for r in RUNGS)})")
+
+
+_KERNELS: dict[tuple, CudaKernel] = {}
+
+
+def kernel_for(step: Rung, defines: Mapping[str, int] | None = None) -> CudaKernel:
+    """The rung's compiled kernel (compiled once per process, cached on disk across them)."""
+    key = (step.number, tuple(sorted((defines or {}).items())))
+    if key not in _KERNELS:
+        _KERNELS[key] = CudaKernel(compile_cuda(step.source, defines=defines), "sgemm")
+    return _KERNELS[key]
+
+
+def sgemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 9,
+          defines: Mapping[str, int] | None = None) -> torch.Tensor:
+    """C = a @ b with one rung's kernel; a: (M, K), b: (K, N), fp32, contiguous, one GPU."""
+    step = step if isinstance(step, Rung) else rung(step)
+    for name, x in (("a", a), ("b", b)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise LaunchError(f"sgemm: {name} must be a 2-D tensor, got "
+                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.dtype != torch.float32:
+            raise LaunchError(f"sgemm: {name} is {x.dtype}, the fp32 ladder takes torch.float32")
+    (m, k), (k2, n) = a.shape, b.shape
+    if k != k2:
+        raise LaunchError(f"sgemm: a is {m}x{k} and b is {k2}x{n}: inner dimensions differ")
+    for name, x in (("a", a), ("b", b)):
+        if not x.is_contiguous():
+            raise LaunchError(f"sgemm: {name} must be contiguous (row-major); call .contiguous() first")
+        if not x.is_cuda:
+            raise LaunchError(f"sgemm: {name} is on {x.device}; the kernels run on a CUDA device")
+    if a.device != b.device:
+        raise LaunchError(f"sgemm: a is on {a.device} and b on {b.device}")
+    if max(m, n, k) >= 2**31 or max(m * k, k * n, m * n) >= 2**40:
+        raise LaunchError(f"sgemm: {m}x{k} @ {k}x{n} is beyond the kernels' 32-bit index range")
+    c = torch.empty((m, n), dtype=torch.float32, device=a.device)
+    if m == 0 or n == 0:
+        return c
+    params = step.parameters(defines)
+    kernel_for(step, defines).launch(step.grid(params, m, n), step.block(params), (a, b, c, m, n, k))
+    return c
+
+
+class RungModel(nn.Module):
+    """A rung as a harness candidate (ModelNew): forward(a, b) = a @ b on that rung."""
+
+    def __init__(self, step: Rung, defines: Mapping[str, int] | None = None):
+        super().__init__()
+        self.step, self.defines = step, dict(defines or {})
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return sgemm(a, b, self.step, self.defines)

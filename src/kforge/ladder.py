@@ -1,0 +1,196 @@
+"""`kforge ladder`: every rung of a kernel ladder through the harness, in one table and one chart.
+
+Each rung is a candidate against the ladder's problem (for fp32 GEMM: torch.matmul with
+TF32 off, i.e. cuBLAS SGEMM), evaluated by `evaluate()` like any other candidate: gate 1
+on fresh random inputs, gate 2 timed by the one timing engine against the library in
+the same run. So "% of cuBLAS" is gate 2's speedup, and every row is an EvalRecord.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kforge.errors import KforgeError
+from kforge.harness.candidate import Candidate
+from kforge.harness.record import EvalRecord
+
+PROBLEMS = Path(__file__).parent / "problems"
+
+
+@dataclass(frozen=True)
+class Ladder:
+    family: str
+    dtype: str
+    problem: Path
+    library: str  # what the rungs are measured against, by name
+    size_names: tuple[str, ...]  # the problem's constants that --size sets
+
+    def steps(self, rungs: Sequence[str] | None) -> list[tuple[str, Candidate]]:
+        from kforge.kernels import gemm_fp32
+
+        chosen = gemm_fp32.RUNGS if not rungs else [gemm_fp32.rung(r) for r in rungs]
+        return [(step.label, rung_candidate(step)) for step in chosen]
+
+    def sweep(self) -> list[tuple[str, Candidate]]:
+        from kforge.kernels import gemm_fp32
+
+        base = gemm_fp32.rung(8)
+        return [(sweep_label(defines), rung_candidate(base, defines)) for defines in gemm_fp32.SWEEP]
+
+
+LADDERS = {
+    ("gemm", "fp32"): Ladder("gemm", "fp32", PROBLEMS / "level1" / "matmul_fp32.py", "cuBLAS SGEMM", ("M", "N", "K")),
+}
+
+
+def get_ladder(family: str, dtype: str) -> Ladder:
+    ladder = LADDERS.get((family, dtype))
+    if ladder is None:
+        known = ", ".join(f"{f} --dtype {d}" for f, d in LADDERS)
+        raise KforgeError(f"no ladder {family!r} for dtype {dtype!r} (ladders: {known})")
+    return ladder
+
+
+def rung_candidate(step, defines: Mapping[str, int] | None = None) -> Candidate:
+    """A rung as a harness candidate, identified by its sources' bytes and its defines."""
+    from kforge.kernels.gemm_fp32 import RungModel
+    from kforge.runtime.cuda import source_files
+
+    digest = hashlib.sha256()
+    for path in source_files(step.source):
+        digest.update(path.read_bytes())
+    digest.update(repr(sorted((defines or {}).items())).encode())
+    return Candidate(name=step.label if not defines else sweep_label(defines),
+                     factory=lambda: RungModel(step, defines), path=step.source, sha256=digest.hexdigest())
+
+
+def sweep_label(defines: Mapping[str, int]) -> str:
+    d = defines
+    return (f"{d['BM']}x{d['BN']}x{d['BK']} w{d['WM']}x{d['WN']} t{d['NUM_THREADS']} "
+            f"mb{d['MIN_BLOCKS']} g{d['GROUP_M']}")
+
+
+def require_gpu() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise KforgeError("the ladder runs CUDA kernels and this machine has no CUDA device",
+                          "On a CPU machine, `kforge resources` compiles the rungs and reports their registers.")
+
+
+def run_ladder(ladder: Ladder, size: int, steps: list[tuple[str, Candidate]], *, time_budget: float,
+               results: Path | None, on_step: Callable[[str, EvalRecord | None], None] | None = None) -> list[EvalRecord]:
+    """Evaluate each step on the current GPU; append each record to `results` as it ends."""
+    from kforge.device import current_device
+    from kforge.harness.evaluate import evaluate
+    from kforge.harness.problem import load_problem
+    from kforge.harness.record import append_record
+    from kforge.harness.roofline import get_ceilings
+    from kforge.harness.timing import TimingConfig
+
+    require_gpu()
+    if size < 1:
+        raise KforgeError(f"--size must be positive, got {size}")
+    device = current_device("cuda")
+    ceilings = get_ceilings(device)
+    problem = load_problem(ladder.problem, "full", {name: size for name in ladder.size_names})
+    command = shlex.join(["kforge", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("kforge") else None
+    records = []
+    for label, candidate in steps:
+        if on_step:
+            on_step(label, None)
+        record = evaluate(problem, candidate, device=device, ceilings=ceilings,
+                          timing=TimingConfig(budget_s=time_budget), command=command)
+        if results is not None:
+            append_record(results, record)
+        records.append(record)
+        if on_step:
+            on_step(label, record)
+    return records
+
+
+def latest_per_step(records: Sequence[dict]) -> list[dict]:
+    """The latest record of each step (candidate name), in the order steps first appeared."""
+    latest: dict[str, dict] = {}
+    for record in records:
+        name = record["candidate"].get("name")
+        latest[name] = record  # a later record replaces an earlier one in its place
+    return list(latest.values())
+
+
+@dataclass(frozen=True)
+class LadderRow:
+    label: str
+    status: str
+    ms: float | None
+    gflops: float | None
+    pct_library: float | None  # the library's time over this rung's, in %
+    pct_peak: float | None  # of the datasheet peak for the dtype
+    step_speedup: float | None  # over the previous rung in the table
+    library_ms: float | None
+    reason: str | None
+
+
+def ladder_rows(records: Sequence[EvalRecord | dict], dtype: str) -> list[LadderRow]:
+    rows, previous_ms = [], None
+    for record in records:
+        r = record if isinstance(record, dict) else record.to_dict()
+        gate2, roof = r.get("gate2") or {}, r.get("roofline") or {}
+        stats = gate2.get("stats") or {}
+        ms = stats.get("candidate", {}).get("median_ms")
+        library_ms = stats.get("reference", {}).get("median_ms")
+        flops = roof.get("flops")
+        sheet = ((roof.get("ceilings") or {}).get("datasheet") or {}).get("tflops", {})
+        peak = sheet.get(dtype)
+        gflops = flops / ms / 1e6 if ms and flops else None
+        rows.append(LadderRow(
+            label=r["candidate"].get("name") or "?", status=r["status"], ms=ms, gflops=gflops,
+            pct_library=100 * library_ms / ms if ms and library_ms else None,
+            pct_peak=100 * gflops / (peak * 1e3) if gflops and peak else None,
+            step_speedup=previous_ms / ms if ms and previous_ms else None,
+            library_ms=library_ms, reason=r.get("reason"),
+        ))
+        previous_ms = ms if ms else previous_ms
+    return rows
+
+
+def save_chart(rows: Sequence[LadderRow], path: Path, *, title: str, library: str) -> Path:
+    """A bar per rung: GFLOP/s, with the library's rate as a line and % of it on each bar."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise KforgeError("the chart needs matplotlib, which is not installed here",
+                          "The records are saved: redraw them where it is, with --replot.") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if r.gflops]
+    if not timed:
+        raise KforgeError("nothing to chart: no rung was timed (all failed gate 1 or crashed)")
+    library_gflops = [r.gflops * 100 / r.pct_library for r in timed if r.pct_library]
+    fig, ax = plt.subplots(figsize=(10, 5.5), dpi=120)
+    bars = ax.bar([r.label for r in timed], [r.gflops for r in timed], color="#4878a8")
+    for bar, r in zip(bars, timed):
+        ax.annotate(f"{r.pct_library:.0f}%" if r.pct_library else "", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=9, xytext=(0, 2), textcoords="offset points")
+    if library_gflops:
+        level = sorted(library_gflops)[len(library_gflops) // 2]  # the median of its per-rung timings
+        ax.axhline(level, color="#c44e52", linestyle="--", linewidth=1.2)
+        ax.annotate(f"{library} {level:,.0f} GFLOP/s", (0, level), xytext=(4, 4), textcoords="offset points",
+                    color="#c44e52", fontsize=9)
+    ax.set_ylabel("GFLOP/s (median, L2 flushed)")
+    ax.set_title(title, fontsize=11)
+    ax.tick_params(axis="x", labelrotation=30)
+    for label in ax.get_xticklabels():
+        label.set_horizontalalignment("right")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
