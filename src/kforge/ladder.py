@@ -71,8 +71,8 @@ def rung_candidate(step, defines: Mapping[str, int] | None = None) -> Candidate:
 
 def sweep_label(defines: Mapping[str, int]) -> str:
     d = defines
-    return (f"{d['BM']}x{d['BN']}x{d['BK']} w{d['WM']}x{d['WN']} t{d['NUM_THREADS']} "
-            f"mb{d['MIN_BLOCKS']} g{d['GROUP_M']}")
+    return (f"{d['BM']}x{d['BN']}x{d['BK']} warp {d['WM']}x{d['WN']}/{d['WNITER']} thread {d['TM']}x{d['TN']} "
+            f"n{d['NUM_THREADS']} mb{d['MIN_BLOCKS']} g{d['GROUP_M']}")
 
 
 def require_gpu() -> None:

@@ -270,14 +270,14 @@ def pair_key(problem_sha: str | None, candidate_sha: str | None, baseline: str, 
 def identity(value) -> dict:
     """Name, path (relative to the working directory when inside it) and content hash."""
     if isinstance(value, (Problem, Candidate)):
-        path, sha = value.path, value.sha256
+        name, path, sha = value.name, value.path, value.sha256
     else:
         path = Path(value).resolve()
-        sha = file_sha256(path)
+        name, sha = path.stem, file_sha256(path)
     if path is None:
-        return {"name": value.name, "path": None, "sha256": sha}
+        return {"name": name, "path": None, "sha256": sha}
     try:
         shown = str(path.relative_to(Path.cwd().resolve()))
     except ValueError:
         shown = str(path)
-    return {"name": path.stem, "path": shown, "sha256": sha}
+    return {"name": name, "path": shown, "sha256": sha}

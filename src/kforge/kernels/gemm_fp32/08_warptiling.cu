@@ -51,8 +51,10 @@
 #define WMITER ((WM * WN) / (32 * TM * TN * WNITER))
 #define WSUBM (WM / WMITER)
 #define WSUBN (WN / WNITER)
+#define SHARED_BYTES (2 * BK * (BM + APAD + BN) * 4)  // kforge.kernels.gemm_fp32 computes the same
 #define A_ROUNDS (BM * BK / 4 / NUM_THREADS)
 #define B_ROUNDS (BK * BN / 4 / NUM_THREADS)
+static_assert(SHARED_BYTES <= 227 * 1024, "the buffers fit one block's shared memory on Hopper");
 static_assert((BM / WM) * (BN / WN) == WARPS, "the warps tile the block exactly");
 static_assert(WMITER >= 1 && WMITER * WSUBM == WM && WNITER * WSUBN == WN, "warp tile splits evenly");
 static_assert((WSUBM / TM) * (WSUBN / TN) == 32, "a warp's 32 lanes tile one sub-tile");
@@ -62,8 +64,11 @@ static_assert(A_ROUNDS * NUM_THREADS * 4 == BM * BK && B_ROUNDS * NUM_THREADS * 
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS)
 sgemm(const float* __restrict__ A, const float* __restrict__ B, float* __restrict__ C, int M, int N, int K) {
-    __shared__ __align__(16) float As[2][BK][BM + APAD];  // transposed, padded
-    __shared__ __align__(16) float Bs[2][BK][BN];
+    // Two buffers of each tile, in dynamic shared memory: large tiles need more than the
+    // 48 KB a block may hold statically. The launcher passes SHARED_BYTES.
+    extern __shared__ __align__(16) float smem[];
+    float (*As)[BK][BM + APAD] = reinterpret_cast<float (*)[BK][BM + APAD]>(smem);  // transposed, padded
+    float (*Bs)[BK][BN] = reinterpret_cast<float (*)[BK][BN]>(smem + 2 * BK * (BM + APAD));
 
     // Which tile of C: blocks in groups of GROUP_M row-blocks, column-major inside a group.
     int bm = blockIdx.y, bn = blockIdx.x;

@@ -6,13 +6,14 @@
 // (more reuse) against blocks per SM (more latency hiding), and it depends on the GPU.
 // Predicted: a few % over rung 8.
 #define BM 128
-#define BN 128
+#define BN 256
 #define BK 8
 #define WM 64
-#define WN 32
-#define WNITER 2
+#define WN 64
+#define WNITER 4
 #define TM 4
 #define TN 4
 #define NUM_THREADS 256
-#define GROUP_M 8
+#define GROUP_M 1
+#define MIN_BLOCKS 1
 #include "08_warptiling.cu"
