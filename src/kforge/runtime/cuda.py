@@ -304,6 +304,7 @@ class CudaKernel:
         self.cubin = cubin
         self.name = name
         self._loaded: dict[int, object] = {}  # per device index
+        self._shared_allowed: dict[int, int] = {}  # dynamic shared memory opted in to, per device
 
     @classmethod
     def from_file(cls, source: str | Path, name: str, *, defines: Mapping[str, object] | None = None,
@@ -361,16 +362,21 @@ class CudaKernel:
             Device(index).set_current()  # torch's primary context: the one torch's tensors live in
             kernel = ObjectCode.from_cubin(self.cubin.code).get_kernel(self.name)
             self._loaded[index] = kernel
-        if shared_bytes > _DEFAULT_SHARED_LIMIT:
-            _allow_dynamic_shared(kernel, shared_bytes)
+        if shared_bytes > max(_DEFAULT_SHARED_LIMIT, self._shared_allowed.get(index, 0)):
+            _allow_dynamic_shared(kernel, shared_bytes, index)
+            self._shared_allowed[index] = shared_bytes
         return kernel
 
 
-def _allow_dynamic_shared(kernel, shared_bytes: int) -> None:
+def _allow_dynamic_shared(kernel, shared_bytes: int, index: int) -> None:
+    """Opt a kernel in to more than 48 KB of dynamic shared memory (up to 227 KB on Hopper)."""
     from cuda.bindings import driver
 
     attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    (status,) = driver.cuFuncSetAttribute(kernel.handle, attribute, shared_bytes)
+    if isinstance(kernel.handle, driver.CUkernel):  # cuda.core loads cubins as libraries: a CUkernel
+        (status,) = driver.cuKernelSetAttribute(attribute, shared_bytes, kernel.handle, driver.CUdevice(index))
+    else:
+        (status,) = driver.cuFuncSetAttribute(kernel.handle, attribute, shared_bytes)
     if status != driver.CUresult.CUDA_SUCCESS:
         raise LaunchError(f"cannot give the kernel {shared_bytes} bytes of shared memory: {status.name}")
 
