@@ -5,8 +5,11 @@
 // footprint is a parameter, so a warp reads a compact strip of As and Bs (fewer distinct
 // shared addresses per load, all float4s consecutive across lanes: conflict-free), its
 // loads reuse better in registers, and the tile shapes become knobs for rung 9's sweep.
-// GROUP_M > 1 reorders blocks so that GROUP_M row-blocks of C run together and share the
-// panels of A and B they read in L2.
+// Also new: the fragments are double-buffered in registers, and a tile's last k-step runs
+// after the barrier that publishes the next tile, with the next tile's first fragments
+// loading beneath it: the barrier no longer drains the pipeline (CUTLASS's SIMT main loop
+// does the same). GROUP_M > 1 reorders blocks so that GROUP_M row-blocks of C run
+// together and share the panels of A and B they read in L2.
 // Predicted: a few % over rung 7 at the same shape; its real value is the tuning space.
 #include "common.cuh"
 
@@ -115,40 +118,55 @@ sgemm(const float* __restrict__ A, const float* __restrict__ B, float* __restric
         }
     };
 
+    // Fragments (a thread's column of A and row of B for one k) in two register slots:
+    // the next k's are read from shared memory while this k's multiply-adds run.
     float acc[WMITER * TM][WNITER * TN] = {{0.f}};
-    float a[WMITER * TM], b[WNITER * TN];
+    float a[2][WMITER * TM], b[2][WNITER * TN];
+    auto load_fragments = [&](int buf, int k, int slot) {
+#pragma unroll
+        for (int wm = 0; wm < WMITER; ++wm)
+#pragma unroll
+            for (int i = 0; i < TM; i += 4) {
+                const float4 v = lds4(&As[buf][k][wrow + wm * WSUBM + lrow + i]);
+                float* dst = &a[slot][wm * TM + i];
+                dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+            }
+#pragma unroll
+        for (int wn = 0; wn < WNITER; ++wn)
+#pragma unroll
+            for (int j = 0; j < TN; j += 4) {
+                const float4 v = lds4(&Bs[buf][k][wcol + wn * WSUBN + lcol + j]);
+                float* dst = &b[slot][wn * TN + j];
+                dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+            }
+    };
+
     const int tiles = CEIL_DIV(K, BK);
     load_tiles(0);
     store_tiles(0);
     __syncthreads();
+    load_fragments(0, 0, 0);
     for (int kt = 0; kt < tiles; ++kt) {
         const int buf = kt & 1;
-        if (kt + 1 < tiles) load_tiles((kt + 1) * BK);
+        const bool more = kt + 1 < tiles;
+        if (more) load_tiles((kt + 1) * BK);  // global loads in flight during this tile's math
 #pragma unroll
         for (int k = 0; k < BK; ++k) {
-#pragma unroll
-            for (int wm = 0; wm < WMITER; ++wm)
-#pragma unroll
-                for (int i = 0; i < TM; i += 4) {
-                    const float4 v = lds4(&As[buf][k][wrow + wm * WSUBM + lrow + i]);
-                    float* dst = &a[wm * TM + i];
-                    dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
-                }
-#pragma unroll
-            for (int wn = 0; wn < WNITER; ++wn)
-#pragma unroll
-                for (int j = 0; j < TN; j += 4) {
-                    const float4 v = lds4(&Bs[buf][k][wcol + wn * WSUBN + lcol + j]);
-                    float* dst = &b[wn * TN + j];
-                    dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
-                }
+            if (k < BK - 1) {
+                load_fragments(buf, k + 1, (k + 1) & 1);
+            } else {
+                // Before the tile's last k: publish the next tile, then fetch its first
+                // fragments, so the barrier and that first shared load overlap with math.
+                // The other buffer was last read before the previous tile's barrier.
+                if (more) store_tiles(buf ^ 1);
+                __syncthreads();
+                if (more) load_fragments(buf ^ 1, 0, (k + 1) & 1);
+            }
 #pragma unroll
             for (int i = 0; i < WMITER * TM; ++i)
 #pragma unroll
-                for (int j = 0; j < WNITER * TN; ++j) acc[i][j] += a[i] * b[j];
+                for (int j = 0; j < WNITER * TN; ++j) acc[i][j] += a[k & 1][i] * b[k & 1][j];
         }
-        if (kt + 1 < tiles) store_tiles(buf ^ 1);  // the other buffer was last read before the previous barrier
-        __syncthreads();
     }
 #pragma unroll
     for (int wm = 0; wm < WMITER; ++wm)
