@@ -165,6 +165,8 @@ def ladder_command(
                                 "--results (the latest record of each rung)."),
 ) -> None:
     """Run every rung of a kernel ladder through the harness: one table, one chart."""
+    from dataclasses import replace
+
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from kforge.harness.record import read_records
@@ -194,8 +196,8 @@ def ladder_command(
                                      advance=0 if record is None else 1))
         device_name, size_text = records[0].device["name"], f"{size}^3"
     rows = ladder_rows(records, ladder.dtype)
-    if sweep:
-        rows = sorted(rows, key=lambda r: -(r.gflops or 0))
+    if sweep:  # fastest first; a step over the previous row means nothing here
+        rows = [replace(r, step_speedup=None) for r in sorted(rows, key=lambda r: -(r.gflops or 0))]
     title = (f"{ladder.family} {ladder.dtype}{' sweep' if sweep else ''}, {size_text} on {device_name}: "
              f"vs {ladder.library}")
     out.print(ladder_view(rows, title=title, library=ladder.library, results_path=None if replot else str(results),

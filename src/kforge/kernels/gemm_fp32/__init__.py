@@ -103,6 +103,10 @@ SWEEP: tuple[dict[str, int], ...] = (
     {**_BASE, "BN": 128, "WN": 32, "WNITER": 2, "BK": 16},  # 128 x 128 x 16, 8 x 8 per thread
     {**_BASE, "BM": 256, "BN": 128, "WNITER": 2, "TN": 8, "BK": 16},
     {**_BASE, "BK": 16, "APAD": 8},  # another padding: 2-way conflicts on the transposed stores, fewer elsewhere?
+    # 16 warps of 8 x 8 per thread led once the fragments were double-buffered (rung 8):
+    {**_BASE, "BM": 256, "BN": 128, "WN": 32, "WNITER": 2, "NUM_THREADS": 512, "BK": 16},
+    {**_BASE, "WM": 32, "WNITER": 2, "NUM_THREADS": 512, "BK": 16},
+    {**_BASE, "BN": 128, "WN": 32, "WNITER": 2, "BK": 16, "MIN_BLOCKS": 2},  # 2 blocks of 8 warps per SM
 )
 
 
