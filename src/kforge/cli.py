@@ -191,7 +191,7 @@ def ladder_command(
                       console=err) as progress:
             task = progress.add_task("ladder", total=len(steps))
             records = run_ladder(ladder, size, steps, time_budget=time_budget, results=results,
-                                 on_step=lambda label, record: progress.update(
+                                 command=shlex.join(["kforge", *sys.argv[1:]]), on_step=lambda label, record: progress.update(
                                      task, description=f"{label}" if record is None else "ladder",
                                      advance=0 if record is None else 1))
         device_name, size_text = records[0].device["name"], f"{size}^3"

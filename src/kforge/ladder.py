@@ -9,8 +9,6 @@ the same run. So "% of cuBLAS" is gate 2's speedup, and every row is an EvalReco
 from __future__ import annotations
 
 import hashlib
-import shlex
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,8 +82,10 @@ def require_gpu() -> None:
 
 
 def run_ladder(ladder: Ladder, size: int, steps: list[tuple[str, Candidate]], *, time_budget: float,
-               results: Path | None, on_step: Callable[[str, EvalRecord | None], None] | None = None) -> list[EvalRecord]:
-    """Evaluate each step on the current GPU; append each record to `results` as it ends."""
+               results: Path | None, command: str | None = None,
+               on_step: Callable[[str, EvalRecord | None], None] | None = None) -> list[EvalRecord]:
+    """Evaluate each step on the current GPU; append each record to `results` as it ends.
+    `command` is kept in every record (the CLI passes the command line that ran it)."""
     from kforge.device import current_device
     from kforge.harness.evaluate import evaluate
     from kforge.harness.problem import load_problem
@@ -99,7 +99,6 @@ def run_ladder(ladder: Ladder, size: int, steps: list[tuple[str, Candidate]], *,
     device = current_device("cuda")
     ceilings = get_ceilings(device)
     problem = load_problem(ladder.problem, "full", {name: size for name in ladder.size_names})
-    command = shlex.join(["kforge", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("kforge") else None
     records = []
     for label, candidate in steps:
         if on_step:
@@ -176,7 +175,7 @@ def save_chart(rows: Sequence[LadderRow], path: Path, *, title: str, library: st
     fig, ax = plt.subplots(figsize=(10, 5.5), dpi=120)
     bars = ax.bar([r.label for r in timed], [r.gflops for r in timed], color="#4878a8")
     for bar, r in zip(bars, timed):
-        ax.annotate(f"{r.pct_library:.0f}%" if r.pct_library else "", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        ax.annotate(f"{r.pct_library:.1f}%" if r.pct_library else "", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=9, xytext=(0, 2), textcoords="offset points")
     if library_gflops:
         level = sorted(library_gflops)[len(library_gflops) // 2]  # the median of its per-rung timings
