@@ -1,9 +1,10 @@
-"""Everything that needs the GPU, in one run: GPU tests, the roofline, the examples.
+"""The examples on the GPU: the roofline, each example against eager and compiled PyTorch.
 
     PYTHONPATH=src python scripts/gpu_check.py --out DIR
 
-Writes DIR/ceilings.json, DIR/examples.jsonl (one EvalRecord per evaluation) and
-DIR/pytest-gpu.log, and prints a short table last. Each example is
+Run by scripts/gpu_check.sh (which also runs the GPU tests and the GEMM ladder).
+Writes DIR/ceilings.json and DIR/examples.jsonl (one EvalRecord per evaluation), and
+prints a short table last. Each example is
 evaluated twice against eager PyTorch (the spread of the two speedups is the noise
 floor of a claim) and once against torch.compile.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,21 +31,11 @@ EXAMPLES = ["matmul_bf16", "softmax", "linear_bias_gelu"]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--size", default="full", help="problem size (tiny: a quick dry run on a CPU)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.chdir(ROOT)  # records name the examples by their paths in the repository
     started = time.time()
-
-    tests = "skipped"
-    if not args.skip_tests:
-        log = args.out / "pytest-gpu.log"
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
-                              cwd=ROOT, capture_output=True, text=True)
-        log.write_text(proc.stdout + proc.stderr)
-        tests = (proc.stdout.strip().splitlines() or ["no output"])[-1]
-        print(f"[gpu tests] {tests}", flush=True)
 
     device = current_device()
     ceilings = get_ceilings(device)  # measured moments ago by `kforge roofline`, else now
@@ -95,7 +85,7 @@ def main() -> int:
     print()
     for line in checks:
         print("[check]", line)
-    print(f"[done] {device.name}, {time.time() - started:.0f} s, tests: {tests}")
+    print(f"[done] {device.name}, {time.time() - started:.0f} s")
     return 0
 
 

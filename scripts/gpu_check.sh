@@ -18,7 +18,7 @@ if [[ $parts == *" tests "* ]]; then
 fi
 if [[ $parts == *" examples "* ]]; then
   python3 -m kforge eval examples/problems/softmax.py examples/triton/softmax.py --no-save 2>&1 | tee "$out/cli_eval.txt"
-  python3 scripts/gpu_check.py --out "$out" --skip-tests 2>&1 | tee "$out/gpu_check.log"
+  python3 scripts/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu_check.log"
 fi
 if [[ $parts == *" sweep "* ]]; then
   python3 -m kforge ladder gemm --dtype fp32 --size 4096 --sweep --time-budget 2 \
