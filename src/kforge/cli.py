@@ -200,8 +200,7 @@ def ladder_command(
         rows = [replace(r, step_speedup=None) for r in sorted(rows, key=lambda r: -(r.gflops or 0))]
     title = (f"{ladder.family} {ladder.dtype}{' sweep' if sweep else ''}, {size_text} on {device_name}: "
              f"vs {ladder.library}")
-    out.print(ladder_view(rows, title=title, library=ladder.library, results_path=None if replot else str(results),
-                          chart_path=None))
+    out.print(ladder_view(rows, title=title, library=ladder.library, results_path=None if replot else str(results)))
     save_chart(rows, chart, title=title, library=ladder.library)
     err.print(f"chart saved to {chart}", style="dim")
 

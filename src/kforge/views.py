@@ -187,7 +187,7 @@ def suite_view(summary, device_name: str, results_path: str) -> Group:
     return Group(table, scores, note)
 
 
-def ladder_view(rows, *, title: str, library: str, results_path: str | None, chart_path: str | None) -> Group:
+def ladder_view(rows, *, title: str, library: str, results_path: str | None) -> Group:
     """One row per rung: its time, GFLOP/s, % of the library, % of peak, step over the last rung."""
     table = Table(title=title, title_justify="left")
     for column in ("rung", "status", "time", "GFLOP/s", f"% of {library}", "% of peak", "step"):
@@ -209,8 +209,6 @@ def ladder_view(rows, *, title: str, library: str, results_path: str | None, cha
             parts.append(Text(f"{row.label}: {row.reason}", style="red"))
     if results_path:
         parts.append(Text(f"records appended to {results_path}", style="dim"))
-    if chart_path:
-        parts.append(Text(f"chart saved to {chart_path}", style="dim"))
     return Group(*parts)
 
 

@@ -71,11 +71,6 @@ class Cubin:
     ptxas_log: str
     from_cache: bool = field(default=False, compare=False)
 
-    def spills(self) -> tuple[int, int]:
-        """(spill store bytes, spill load bytes), summed over the kernels in the file."""
-        found = [tuple(map(int, m)) for m in _PTXAS_SPILLS.findall(self.ptxas_log)]
-        return (sum(s for s, _ in found), sum(l for _, l in found)) if found else (0, 0)
-
 
 # --- compiling -------------------------------------------------------------------------
 

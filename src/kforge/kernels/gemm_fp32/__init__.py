@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kforge.runtime.cuda import CudaKernel, LaunchError, compile_cuda, integer_defines
+from kforge.runtime.cuda import CudaKernel, LaunchError, integer_defines
 
 HERE = Path(__file__).parent
 
@@ -124,7 +124,7 @@ def kernel_for(step: Rung, defines: Mapping[str, int] | None = None) -> CudaKern
     """The rung's compiled kernel (compiled once per process, cached on disk across them)."""
     key = (step.number, tuple(sorted((defines or {}).items())))
     if key not in _KERNELS:
-        _KERNELS[key] = CudaKernel(compile_cuda(step.source, defines=defines), "sgemm")
+        _KERNELS[key] = CudaKernel.from_file(step.source, "sgemm", defines=defines)
     return _KERNELS[key]
 
 
