@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The one GPU call: tests marked gpu, the roofline, the examples, the GEMM ladder; a short table last.
 # On the device machine: bash scripts/gpu_check.sh   (writes under $OUT, or ./gpu-out)
-# PARTS picks what runs (default: all): any of  tests examples ladder sweep
+# PARTS picks what runs (default: all): any of  tests examples ladder sweep ladder-bf16 sweep-bf16 bench-gemm
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
 export KFORGE_CACHE_DIR="${KFORGE_CACHE_DIR:-/tmp/kforge-cache}"
-parts=" ${PARTS:-tests examples ladder sweep} "
+parts=" ${PARTS:-tests examples ladder sweep ladder-bf16 sweep-bf16 bench-gemm} "
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$out/nvidia-smi.csv"
@@ -27,4 +27,17 @@ fi
 if [[ $parts == *" ladder "* ]]; then
   python3 -m kforge ladder gemm --dtype fp32 --size 4096 --results "$out/ladder-gemm-fp32.jsonl" 2>&1 \
     | tee "$out/ladder.txt"
+fi
+if [[ $parts == *" sweep-bf16 "* ]]; then
+  python3 -m kforge ladder gemm --dtype bf16 --size 4096 --sweep --time-budget 2 \
+    --results "$out/ladder-gemm-bf16-sweep.jsonl" 2>&1 | tee "$out/ladder-bf16-sweep.txt"
+fi
+if [[ $parts == *" bench-gemm "* ]]; then
+  python3 -m kforge bench gemm --results "$out/bench-gemm.jsonl" 2>&1 | tee "$out/bench-gemm.txt"
+fi
+if [[ $parts == *" ladder-bf16 "* ]]; then
+  for size in 4096 8192; do
+    python3 -m kforge ladder gemm --dtype bf16 --size $size --results "$out/ladder-gemm-bf16-$size.jsonl" 2>&1 \
+      | tee "$out/ladder-bf16-$size.txt"
+  done
 fi

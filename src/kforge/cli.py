@@ -152,7 +152,7 @@ class LadderFamily(str, Enum):
 @app.command("ladder")
 def ladder_command(
     family: LadderFamily = typer.Argument(..., help="Which ladder: gemm."),
-    dtype: str = typer.Option("fp32", help="Data type of the ladder (fp32: CUDA cores)."),
+    dtype: str = typer.Option("fp32", help="Data type of the ladder (fp32: CUDA cores; bf16: tensor cores)."),
     size: int = typer.Option(4096, min=1, help="M = N = K."),
     rungs: str = typer.Option(None, help="Rungs to run, e.g. 1,5,9 (default: all).", show_default=False),
     sweep: bool = typer.Option(False, help="Instead of the rungs, time every shape in the tuned rung's sweep."),
@@ -195,13 +195,65 @@ def ladder_command(
                                      task, description=f"{label}" if record is None else "ladder",
                                      advance=0 if record is None else 1))
         device_name, size_text = records[0].device["name"], f"{size}^3"
-    rows = ladder_rows(records, ladder.dtype)
+    rows = ladder_rows(records, ladder.dtype, ladder.peak)
     if sweep:  # fastest first; a step over the previous row means nothing here
         rows = [replace(r, step_speedup=None) for r in sorted(rows, key=lambda r: -(r.gflops or 0))]
     title = (f"{ladder.family} {ladder.dtype}{' sweep' if sweep else ''}, {size_text} on {device_name}: "
              f"vs {ladder.library}")
     out.print(ladder_view(rows, title=title, library=ladder.library, results_path=None if replot else str(results)))
     save_chart(rows, chart, title=title, library=ladder.library)
+    err.print(f"chart saved to {chart}", style="dim")
+
+
+class BenchFamily(str, Enum):
+    gemm = "gemm"
+
+
+@app.command("bench")
+def bench_command(
+    family: BenchFamily = typer.Argument(..., help="What to benchmark: gemm."),
+    shapes: str = typer.Option("all", help="all, squares, llm, or a comma list of labels "
+                               "(1024^3, '8B qkv M=16', ...)."),
+    time_budget: float = typer.Option(1.0, min=0.1, help="Seconds of timed rounds per evaluation at most."),
+    results: Path = typer.Option(Path("bench-gemm.jsonl"), help="JSONL file the records are appended to."),
+    chart: Path = typer.Option(None, help="PNG chart (default: the results path with .png).", show_default=False),
+    replot: bool = typer.Option(False, help="Measure nothing: redraw the table and chart from --results."),
+) -> None:
+    """Our best kernel and the Triton kernel against cuBLAS over a sweep of shapes, in one run."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from kforge.bench import bench_rows, gemm_shapes, run_gemm_bench, save_bench_chart
+    from kforge.harness.record import read_records
+    from kforge.views import bench_view
+
+    chart = chart or results.with_suffix(".png")
+    if replot:
+        if not results.is_file():
+            raise KforgeError(f"nothing to replot: {results} does not exist")
+        records = read_records(results)
+    else:
+        every = gemm_shapes()
+        if shapes == "all":
+            chosen = every
+        elif shapes in ("squares", "llm"):
+            chosen = [s for s in every if (s.b_layout == "kn") == (shapes == "squares")]
+        else:
+            wanted = [w.strip() for w in shapes.split(",")]
+            chosen = [s for s in every if s.label in wanted]
+            if len(chosen) != len(wanted):
+                raise KforgeError(f"unknown shape in {shapes!r} (shapes: {', '.join(s.label for s in every)})")
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as progress:
+            task = progress.add_task("bench", total=None)
+            records = run_gemm_bench(chosen, time_budget=time_budget, results=results,
+                                     command=shlex.join(["kforge", *sys.argv[1:]]),
+                                     on_step=lambda label: progress.update(task, description=label))
+    if not records:
+        raise KforgeError(f"no records in {results}")
+    rows = bench_rows(records)
+    device_name = records[0]["device"]["name"]
+    title = f"GEMM bf16 on {device_name}: ours and Triton vs cuBLAS (same run)"
+    out.print(bench_view(rows, title=title, results_path=None if replot else str(results)))
+    save_bench_chart(rows, chart, title=title)
     err.print(f"chart saved to {chart}", style="dim")
 
 

@@ -27,22 +27,59 @@ class Ladder:
     problem: Path
     library: str  # what the rungs are measured against, by name
     size_names: tuple[str, ...]  # the problem's constants that --size sets
+    peak: str = "datasheet"  # "% of peak" against the data sheet's rate, or the measured one ("measured")
 
     def steps(self, rungs: Sequence[str] | None) -> list[tuple[str, Candidate]]:
-        from kforge.kernels import gemm_fp32
-
-        chosen = gemm_fp32.RUNGS if not rungs else [gemm_fp32.rung(r) for r in rungs]
-        return [(step.label, rung_candidate(step)) for step in chosen]
+        every = _fp32_steps() if self.dtype == "fp32" else _bf16_steps()
+        if not rungs:
+            return every
+        chosen = [(label, c) for wanted in rungs for label, c in every if _matches(label, wanted)]
+        unknown = [w for w in rungs if not any(_matches(label, w) for label, _ in every)]
+        if unknown:
+            raise KforgeError(f"no rung {unknown[0]!r} in the {self.family} {self.dtype} ladder "
+                              f"(rungs: {', '.join(label for label, _ in every)})")
+        return chosen
 
     def sweep(self) -> list[tuple[str, Candidate]]:
-        from kforge.kernels import gemm_fp32
+        if self.dtype == "fp32":
+            from kforge.kernels import gemm_fp32
 
-        base = gemm_fp32.rung(8)
-        return [(sweep_label(defines), rung_candidate(base, defines)) for defines in gemm_fp32.SWEEP]
+            base = gemm_fp32.rung(8)
+            return [(sweep_label(d), rung_candidate(base, d)) for d in gemm_fp32.SWEEP]
+        from kforge.kernels import gemm_bf16
+
+        return [(f"{step.label} {_defines_label(d)}", rung_candidate(step, d, label=f"{step.label} {_defines_label(d)}"))
+                for step, d in ((gemm_bf16.rung(n), d) for n, d in gemm_bf16.SWEEP)]
+
+
+def _matches(label: str, wanted: str) -> bool:
+    """A rung is named by its label (05_clusters), its name (clusters) or its number (5, 05)."""
+    number, _, name = label.partition("_")
+    return wanted in (label, name) or (wanted.isdigit() and number.isdigit() and int(wanted) == int(number))
+
+
+def _fp32_steps() -> list[tuple[str, Candidate]]:
+    from kforge.kernels import gemm_fp32
+
+    return [(step.label, rung_candidate(step)) for step in gemm_fp32.RUNGS]
+
+
+def _bf16_steps() -> list[tuple[str, Candidate]]:
+    """The best fp32 rung (on bf16 data, converted), every tensor-core rung, and Triton."""
+    from kforge.kernels import gemm_bf16, gemm_fp32
+
+    best_fp32 = gemm_fp32.rung(9)
+    steps = [("fp32_" + best_fp32.label, _candidate("fp32_" + best_fp32.label, gemm_bf16.Fp32RungOnBf16,
+                                                   [best_fp32.source]))]
+    steps += [(step.label, rung_candidate(step)) for step in gemm_bf16.RUNGS]
+    steps.append(("triton", _candidate("triton", gemm_bf16.TritonMatmul, [gemm_bf16.TRITON_SOURCE])))
+    return steps
 
 
 LADDERS = {
     ("gemm", "fp32"): Ladder("gemm", "fp32", PROBLEMS / "level1" / "matmul_fp32.py", "cuBLAS SGEMM", ("M", "N", "K")),
+    ("gemm", "bf16"): Ladder("gemm", "bf16", PROBLEMS / "level1" / "matmul_bf16.py", "cuBLAS bf16", ("M", "N", "K"),
+                             peak="measured"),
 }
 
 
@@ -54,17 +91,26 @@ def get_ladder(family: str, dtype: str) -> Ladder:
     return ladder
 
 
-def rung_candidate(step, defines: Mapping[str, int] | None = None) -> Candidate:
-    """A rung as a harness candidate, identified by its sources' bytes and its defines."""
-    from kforge.kernels.gemm_fp32 import RungModel
+def _candidate(label: str, factory: Callable, sources: Sequence[Path], defines: Mapping[str, int] | None = None
+               ) -> Candidate:
+    """A candidate identified by the bytes of its sources (and what they include) and its defines."""
     from kforge.runtime.cuda import source_files
 
     digest = hashlib.sha256()
-    for path in source_files(step.source):
-        digest.update(path.read_bytes())
+    for source in sources:
+        for path in source_files(source) if source.suffix in (".cu", ".cuh") else [source]:
+            digest.update(path.read_bytes())
     digest.update(repr(sorted((defines or {}).items())).encode())
-    return Candidate(name=step.label if not defines else sweep_label(defines),
-                     factory=lambda: RungModel(step, defines), path=step.source, sha256=digest.hexdigest())
+    return Candidate(name=label, factory=factory, path=sources[0], sha256=digest.hexdigest())
+
+
+def rung_candidate(step, defines: Mapping[str, int] | None = None, *, label: str | None = None) -> Candidate:
+    """A rung (of either GEMM ladder) as a harness candidate."""
+    from kforge.kernels import gemm_bf16, gemm_fp32
+
+    model = gemm_fp32.RungModel if isinstance(step, gemm_fp32.Rung) else gemm_bf16.RungModel
+    name = label or (step.label if not defines else sweep_label(defines))
+    return _candidate(name, lambda: model(step, defines=defines), [step.source], defines)
 
 
 def sweep_label(defines: Mapping[str, int]) -> str:
@@ -73,11 +119,15 @@ def sweep_label(defines: Mapping[str, int]) -> str:
             f"n{d['NUM_THREADS']} mb{d['MIN_BLOCKS']} g{d['GROUP_M']}")
 
 
+def _defines_label(defines: Mapping[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in defines.items()) or "defaults"
+
+
 def require_gpu() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise KforgeError("the ladder runs CUDA kernels and this machine has no CUDA device",
+        raise KforgeError("this command runs CUDA kernels and this machine has no CUDA device",
                           "On a CPU machine, `kforge resources` compiles the rungs and reports their registers.")
 
 
@@ -129,13 +179,15 @@ class LadderRow:
     ms: float | None
     gflops: float | None
     pct_library: float | None  # the library's time over this rung's, in %
-    pct_peak: float | None  # of the datasheet peak for the dtype
+    pct_peak: float | None  # of the dtype's peak (data sheet or measured, as the ladder says)
     step_speedup: float | None  # over the previous rung in the table
     library_ms: float | None
     reason: str | None
 
 
-def ladder_rows(records: Sequence[EvalRecord | dict], dtype: str) -> list[LadderRow]:
+def ladder_rows(records: Sequence[EvalRecord | dict], dtype: str, peak: str = "datasheet") -> list[LadderRow]:
+    """One row per record; "% of peak" against the data sheet's rate for `dtype`, or (peak
+    "measured") the rate `kforge roofline` measured with the library on this machine."""
     rows, previous_ms = [], None
     for record in records:
         r = record if isinstance(record, dict) else record.to_dict()
@@ -144,13 +196,14 @@ def ladder_rows(records: Sequence[EvalRecord | dict], dtype: str) -> list[Ladder
         ms = stats.get("candidate", {}).get("median_ms")
         library_ms = stats.get("reference", {}).get("median_ms")
         flops = roof.get("flops")
-        sheet = ((roof.get("ceilings") or {}).get("datasheet") or {}).get("tflops", {})
-        peak = sheet.get(dtype)
+        ceilings = roof.get("ceilings") or {}
+        rates = ceilings.get("matmul_tflops", {}) if peak == "measured" else (ceilings.get("datasheet") or {}).get("tflops", {})
+        peak_tflops = rates.get(dtype)
         gflops = flops / ms / 1e6 if ms and flops else None
         rows.append(LadderRow(
             label=r["candidate"].get("name") or "?", status=r["status"], ms=ms, gflops=gflops,
             pct_library=100 * library_ms / ms if ms and library_ms else None,
-            pct_peak=100 * gflops / (peak * 1e3) if gflops and peak else None,
+            pct_peak=100 * gflops / (peak_tflops * 1e3) if gflops and peak_tflops else None,
             step_speedup=previous_ms / ms if ms and previous_ms else None,
             library_ms=library_ms, reason=r.get("reason"),
         ))

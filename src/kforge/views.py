@@ -212,6 +212,29 @@ def ladder_view(rows, *, title: str, library: str, results_path: str | None) -> 
     return Group(*parts)
 
 
+def bench_view(rows, *, title: str, results_path: str | None) -> Group:
+    """One row per shape: TFLOP/s of each method and of cuBLAS, each method's speedup over cuBLAS."""
+    from kforge.bench import geomean
+
+    methods = sorted({m for r in rows for m in r.vs_cublas})
+    table = Table(title=title, title_justify="left")
+    table.add_column("shape")
+    for column in [*(f"{m} TFLOP/s" for m in methods), "cuBLAS TFLOP/s", *(f"{m} / cuBLAS" for m in methods)]:
+        table.add_column(column, justify="right")
+    for r in rows:
+        cells = [_num(r.tflops.get(m), "{:,.0f}") if r.status.get(m) in ("passed", "slower") else
+                 Text(r.status.get(m, "-"), style="red") for m in methods]
+        table.add_row(r.shape, *cells, _num(r.tflops.get("cuBLAS"), "{:,.0f}"),
+                      *(_num(r.vs_cublas.get(m), "{:.3f}x") for m in methods))
+    means = [geomean([r.vs_cublas.get(m) for r in rows]) for m in methods]
+    table.add_row(Text("geometric mean", style="bold"), *([""] * (len(methods) + 1)),
+                  *(_num(v, "{:.3f}x") for v in means))
+    parts = [table]
+    if results_path:
+        parts.append(Text(f"records appended to {results_path}", style="dim"))
+    return Group(*parts)
+
+
 # --- RESULTS.md: the records under benchmarks/results as Markdown tables -----------------
 
 
@@ -285,15 +308,17 @@ def _records_markdown(bench: str, records: list[dict]) -> list[str]:
 
 
 def _ladder_markdown(bench: str, records: list[dict]) -> list[str]:
-    from kforge.ladder import ladder_rows
+    from kforge.ladder import LADDERS, ladder_rows
 
     dtype = records[0]["roofline"]["compute_dtype"] if records[0].get("roofline") else "fp32"
+    ladder = LADDERS.get(("gemm", dtype))
+    peak = ladder.peak if ladder else "datasheet"
     out = [f"### {bench}", "",
            f"Problem size {records[0]['problem'].get('size')}; the library is the problem's reference, timed "
            "interleaved with each rung (its time is the 'library' column).", "",
-           "| rung | status | time | library | GFLOP/s | % of library | % of peak | step | date |",
+           f"| rung | status | time | library | GFLOP/s | % of library | % of {peak} peak | step | date |",
            "|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    for row, r in zip(ladder_rows(records, dtype), records):
+    for row, r in zip(ladder_rows(records, dtype, peak), records):
         out.append(f"| {row.label} | {row.status} | {fmt_ms(row.ms)} | {fmt_ms(row.library_ms)} | "
                    f"{_num(row.gflops, '{:,.0f}')} | {fmt_pct(row.pct_library)} | {fmt_pct(row.pct_peak)} | "
                    f"{_num(row.step_speedup, '{:.2f}x')} | {r['created'][:10]} |")

@@ -259,6 +259,14 @@ def resources(cubin: Cubin) -> dict[str, Resources]:
     return found
 
 
+def sass(cubin: Cubin) -> str:
+    """The cubin's machine code as text (cuobjdump -sass): what the tests grep for HGMMA or UTMALDG."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin.code)
+        f.flush()
+        return subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
 def _spills_per_kernel(log: str) -> dict[str, tuple[int, int]]:
     spills, current = {}, None
     for line in log.splitlines():
@@ -300,6 +308,7 @@ class CudaKernel:
         self.name = name
         self._loaded: dict[int, object] = {}  # per device index
         self._shared_allowed: dict[int, int] = {}  # dynamic shared memory opted in to, per device
+        self._max_clusters: dict[tuple, int] = {}
 
     @classmethod
     def from_file(cls, source: str | Path, name: str, *, defines: Mapping[str, object] | None = None,
@@ -307,11 +316,13 @@ class CudaKernel:
         return cls(compile_cuda(source, arch=arch, defines=defines, options=options), name)
 
     def launch(self, grid: int | Sequence[int], block: int | Sequence[int], args: Sequence, *,
-               shared_bytes: int = 0) -> None:
+               shared_bytes: int = 0, cluster: int | Sequence[int] | None = None) -> None:
         """Launch on torch's current stream of the device holding the tensor arguments.
 
         Tensors are passed as pointers (they must be CUDA tensors on one device), Python
-        ints as 32-bit ints, floats as 32-bit floats; numpy scalars keep their own type.
+        ints as 32-bit ints, floats as 32-bit floats; numpy scalars keep their own type;
+        tensor maps (`tensor_map`) by value, for `__grid_constant__` parameters. `cluster`
+        groups blocks into thread-block clusters (the grid must be a multiple of it).
         Everything is checked before the launch; the launch's own status is checked by
         cuda.core, and faults inside the kernel surface at the next synchronization.
         """
@@ -320,15 +331,21 @@ class CudaKernel:
         from cuda.core import LaunchConfig, launch
 
         grid, block = _dims(grid, "grid"), _dims(block, "block")
+        if cluster is not None:
+            cluster = _dims(cluster, "cluster")
+            if any(g % c for g, c in zip(grid, cluster)):
+                raise LaunchError(f"{self.name}: grid {grid} is not a whole number of clusters {cluster}")
         if block[0] * block[1] * block[2] > _MAX_THREADS_PER_BLOCK:
             raise LaunchError(f"{self.name}: block {block} has more than {_MAX_THREADS_PER_BLOCK} threads")
         packed = []
         for position, arg in enumerate(args):
             if isinstance(arg, torch.Tensor):
                 packed.append(arg.data_ptr())  # a Python int travels as a 64-bit pointer
+            elif type(arg).__name__ == "TensorMapDescriptor":
+                packed.append(arg)  # cuda.core copies its 128 bytes into the parameter buffer
             elif isinstance(arg, bool) or not isinstance(arg, (int, float, np.generic)):
                 raise LaunchError(f"{self.name}: argument {position} is a {type(arg).__name__}; pass tensors, "
-                                  "ints, floats or numpy scalars")
+                                  "ints, floats, numpy scalars or tensor maps")
             elif isinstance(arg, int):
                 if not -(2**31) <= arg < 2**31:
                     raise LaunchError(f"{self.name}: argument {position} = {arg} does not fit a 32-bit int; "
@@ -347,7 +364,24 @@ class CudaKernel:
         index = devices.pop().index if devices else torch.cuda.current_device()
         kernel = self._kernel(index, shared_bytes)
         stream = _stream(index, torch.cuda.current_stream(index).cuda_stream)
-        launch(stream, LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes), kernel, *packed)
+        if cluster is None:
+            config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+        else:  # cuda.core counts the grid in clusters when a cluster shape is given
+            clusters = tuple(g // c for g, c in zip(grid, cluster))
+            config = LaunchConfig(grid=clusters, cluster=cluster, block=block, shmem_size=shared_bytes)
+        launch(stream, config, kernel, *packed)
+
+    def max_active_clusters(self, block: int, cluster: int, shared_bytes: int, index: int) -> int:
+        """How many clusters of `cluster` blocks can run at once on device `index` (the
+        grid of a persistent kernel: more would run as a second wave)."""
+        from cuda.core import Device, LaunchConfig
+
+        key = (index, block, cluster, shared_bytes)
+        if key not in self._max_clusters:
+            config = LaunchConfig(grid=1, cluster=cluster, block=block, shmem_size=shared_bytes)
+            self._max_clusters[key] = self._kernel(index, shared_bytes).occupancy.max_active_clusters(
+                config, stream=Device(index).default_stream)
+        return self._max_clusters[key]
 
     def _kernel(self, index: int, shared_bytes: int):
         from cuda.core import Device, ObjectCode
@@ -374,6 +408,44 @@ def _allow_dynamic_shared(kernel, shared_bytes: int, index: int) -> None:
         (status,) = driver.cuFuncSetAttribute(kernel.handle, attribute, shared_bytes)
     if status != driver.CUresult.CUDA_SUCCESS:
         raise LaunchError(f"cannot give the kernel {shared_bytes} bytes of shared memory: {status.name}")
+
+
+_TENSOR_MAPS: dict[tuple, object] = {}
+_TENSOR_MAP_CACHE_SIZE = 256
+
+
+def tensor_map(tensor, box: Sequence[int], *, swizzle_bytes: int = 128):
+    """A TMA descriptor (CUtensorMap) of a 2-D bf16 or fp16 CUDA tensor, for a `__grid_constant__` parameter.
+
+    `box` is the tile one copy moves, in the tensor's own order (rows, columns); the
+    swizzle (128, 64, 32 bytes or 0 for none) must match the kernel's shared-memory
+    layout. Out-of-bounds parts of a box read as zeros and are not written back.
+    Descriptors only encode the address, shape and strides, so they are cached on
+    exactly those: repeated calls on the same buffers cost a dictionary lookup.
+    """
+    import torch
+    from cuda.core._tensor_map import TensorMapDataType, TensorMapSwizzle
+    from cuda.core.utils import StridedMemoryView
+
+    kinds = {torch.bfloat16: TensorMapDataType.BFLOAT16, torch.float16: TensorMapDataType.FLOAT16}
+    swizzles = {0: TensorMapSwizzle.NONE, 32: TensorMapSwizzle.SWIZZLE_32B, 64: TensorMapSwizzle.SWIZZLE_64B,
+                128: TensorMapSwizzle.SWIZZLE_128B}
+    if tensor.dtype not in kinds or tensor.dim() != 2 or not tensor.is_cuda:
+        raise LaunchError(f"tensor_map takes a 2-D bf16/fp16 CUDA tensor, got {tuple(tensor.shape)} "
+                          f"{tensor.dtype} on {tensor.device}")
+    if tensor.stride(1) != 1 or (tensor.stride(0) * 2) % 16 or tensor.data_ptr() % 16:
+        raise LaunchError(f"tensor_map: rows must be contiguous and 16-byte aligned, got strides "
+                          f"{tuple(tensor.stride())} at address {tensor.data_ptr():#x}")
+    key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tuple(box), swizzle_bytes,
+           tensor.device.index)
+    found = _TENSOR_MAPS.get(key)
+    if found is None:
+        view = StridedMemoryView.from_dlpack(tensor.view(torch.int16), stream_ptr=-1)  # a 2-byte view dlpack knows
+        found = view.as_tensor_map(tuple(box), data_type=kinds[tensor.dtype], swizzle=swizzles[swizzle_bytes])
+        if len(_TENSOR_MAPS) >= _TENSOR_MAP_CACHE_SIZE:
+            _TENSOR_MAPS.pop(next(iter(_TENSOR_MAPS)))  # first in, first out
+        _TENSOR_MAPS[key] = found
+    return found
 
 
 def _dims(value: int | Sequence[int], what: str) -> tuple[int, int, int]:

@@ -1,0 +1,169 @@
+// Rung 4: a persistent kernel with a tile scheduler, and the epilogue through shared
+// memory and a TMA store.
+// What changed: one CTA per SM for the whole GEMM (grid = SMs), each walking the output
+// tiles job = blockIdx.x, + gridDim.x, ... in grouped order (GROUP_M rows of tiles at a
+// time, so the tiles in flight share panels of A and B in L2). The producer runs ahead
+// into the next tile while the consumers finish this one: the ring's stage and phase
+// counters carry on across tiles, so there is no prologue bubble per tile. Results go
+// registers -> swizzled shared memory (conflict-free) -> one bulk tensor store per
+// 64 x 64 box, replacing rung 3's scattered 4-byte global stores. The tile leaves in
+// EPI_COLS-wide slices through one small buffer, which leaves room for a 4th stage.
+// Also here, compiled out at CLUSTER_M 1: rung 5's thread-block clusters (see 05_clusters.cu).
+// Why: rung 3 paid a launch-sized pipeline fill and a global-store epilogue per tile,
+// and its last wave left most SMs idle.
+// Predicted: parity with cuBLAS at 4096^3 and above.
+#include "hopper.cuh"
+
+#ifndef BM
+#define BM 128  // 64 rows per consumer warpgroup
+#endif
+#ifndef BN
+#define BN 256
+#endif
+#ifndef BK
+#define BK 64
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+#ifndef EPI_COLS
+#define EPI_COLS 128  // the epilogue stores the tile in slices this wide (less shared memory, more stages)
+#endif
+#ifndef GROUP_M
+#define GROUP_M 8
+#endif
+#ifndef CLUSTER_M
+#define CLUSTER_M 1  // CTAs per cluster, on consecutive row tiles sharing one column of B
+#endif
+#ifndef B_KMAJOR
+#define B_KMAJOR 0  // 1: B is given as N x K (C = A @ B^T); 0: B is K x N
+#endif
+
+#define CONSUMERS (BM / 64)
+#define NUM_THREADS (128 * (CONSUMERS + 1))
+#define A_TILE (BM * BK)
+#define B_TILE (BN * BK)
+#define C_TILE (64 * EPI_COLS)  // one consumer's epilogue buffer: a slice of its 64 x BN share
+#define STAGE_BYTES ((A_TILE + B_TILE) * 2)
+#define SHARED_BYTES (STAGES * STAGE_BYTES + CONSUMERS * C_TILE * 2 + 1024 + 2 * STAGES * 8)
+#define B_CHUNKS (BN / 64)  // 64-column boxes of an N-major B tile
+static_assert(BK == 64, "the swizzle atom is one 64-value row");
+static_assert(SHARED_BYTES <= 227 * 1024, "fits one block's shared memory");
+static_assert(CONSUMERS == 2, "the register split below is for one producer and two consumers");
+static_assert(BN % EPI_COLS == 0 && EPI_COLS % 64 == 0, "the epilogue slices the tile into 64-column boxes");
+static_assert(B_CHUNKS % CLUSTER_M == 0, "each CTA of a cluster loads an equal share of B");
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
+gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
+     const __grid_constant__ TensorMap c_map, int M, int N, int K) {
+    check_launch(NUM_THREADS, SHARED_BYTES);
+    extern __shared__ __align__(16) unsigned char smem_raw[];  // aligned to 1024 by hand below
+    bf16_bits* tiles = reinterpret_cast<bf16_bits*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    bf16_bits* c_tiles = tiles + STAGES * (A_TILE + B_TILE);
+    u64* full = reinterpret_cast<u64*>(c_tiles + CONSUMERS * C_TILE);
+    u64* empty = full + STAGES;
+    auto a_tile = [&](int s) { return tiles + s * (A_TILE + B_TILE); };
+    auto b_tile = [&](int s) { return tiles + s * (A_TILE + B_TILE) + A_TILE; };
+
+    const int tiles_m = CEIL_DIV(M, BM), tiles_n = CEIL_DIV(N, BN), k_tiles = CEIL_DIV(K, BK);
+    // A job is one tile per CTA of a cluster: CLUSTER_M consecutive row tiles, one column.
+    const int jobs = CEIL_DIV(tiles_m, CLUSTER_M) * tiles_n;
+    const int first_job = blockIdx.x / CLUSTER_M, job_stride = gridDim.x / CLUSTER_M;
+    const u32 rank = CLUSTER_M > 1 ? cluster_rank() : 0;
+    const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], CONSUMERS * 4 * CLUSTER_M);  // every consumer warp of the cluster
+        }
+        fence_barrier_init();
+    }
+    if (CLUSTER_M > 1) cluster_sync();  // no CTA may signal a peer's barriers before they exist
+    else __syncthreads();
+
+    if (wg == 0) {  // producer
+        setmaxnreg_dec<40>();
+        if (threadIdx.x == 0) {
+            int it = 0;  // k-tiles loaded so far, across jobs: the ring position
+            for (int job = first_job; job < jobs; job += job_stride) {
+                int cm, tn;
+                tile_coords(job, CEIL_DIV(tiles_m, CLUSTER_M), tiles_n, GROUP_M, cm, tn);
+                const int row0 = (cm * CLUSTER_M + rank) * BM, col0 = tn * BN;
+                for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                    const int s = it % STAGES;
+                    mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+                    mbar_arrive_expect_tx(&full[s], STAGE_BYTES);  // all of B arrives, our share and the peers'
+                    tma_load_2d(a_tile(s), a_map, &full[s], kt * BK, row0);
+                    if (CLUSTER_M == 1) {
+                        if (B_KMAJOR) tma_load_2d(b_tile(s), b_map, &full[s], kt * BK, col0);
+                        else
+                            for (int c = 0; c < B_CHUNKS; ++c)
+                                tma_load_2d(b_tile(s) + c * BK * 64, b_map, &full[s], col0 + 64 * c, kt * BK);
+                    } else {  // rung 5: this CTA's share of B, written into every CTA of the cluster
+                        const unsigned short everyone = (1u << CLUSTER_M) - 1;
+                        if (B_KMAJOR) {
+                            const int rows = BN / CLUSTER_M;
+                            tma_load_2d_multicast(b_tile(s) + rank * rows * BK, b_map, &full[s], kt * BK,
+                                                  col0 + rank * rows, everyone);
+                        } else {
+                            for (int c = rank * (B_CHUNKS / CLUSTER_M); c < (rank + 1) * (B_CHUNKS / CLUSTER_M); ++c)
+                                tma_load_2d_multicast(b_tile(s) + c * BK * 64, b_map, &full[s], col0 + 64 * c,
+                                                      kt * BK, everyone);
+                        }
+                    }
+                }
+            }
+        }
+    } else {  // consumers
+        setmaxnreg_inc<232>();
+        const int consumer = wg - 1, thread = threadIdx.x % 128;
+        bf16_bits* c_tile = c_tiles + consumer * C_TILE;
+        auto release = [&](int s) {  // this warp is done reading stage s, in every CTA it was loaded for
+            if (lane != 0) return;
+            if (CLUSTER_M == 1) mbar_arrive(&empty[s]);
+            else
+                for (int r = 0; r < CLUSTER_M; ++r) mbar_arrive_cluster(&empty[s], r);
+        };
+        float acc[BN / 2];
+        int it = 0;
+        for (int job = first_job; job < jobs; job += job_stride) {
+            int cm, tn;
+            tile_coords(job, CEIL_DIV(tiles_m, CLUSTER_M), tiles_n, GROUP_M, cm, tn);
+            const int row0 = (cm * CLUSTER_M + rank) * BM, col0 = tn * BN;
+            for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                const int s = it % STAGES;
+                mbar_wait(&full[s], (it / STAGES) & 1);
+                wgmma_fence();
+#pragma unroll
+                for (int ks = 0; ks < BK / 16; ++ks) {
+                    const u64 a = kmajor_desc(a_tile(s) + consumer * 64 * BK, ks);
+                    const u64 b = B_KMAJOR ? kmajor_desc(b_tile(s), ks) : nmajor_desc<BK>(b_tile(s), ks);
+                    wgmma_m64k16<BN, !B_KMAJOR>(acc, a, b, kt > 0 || ks > 0);
+                }
+                wgmma_commit();
+                wgmma_wait<1>();
+                if (kt > 0) release((it - 1) % STAGES);
+            }
+            wgmma_wait<0>();
+            release((it - 1) % STAGES);
+
+            // Epilogue, slice by slice: wait until the buffer's previous store has read it, fill it, store it.
+#pragma unroll
+            for (int first = 0; first < BN; first += EPI_COLS) {
+                if (thread == 0) bulk_wait_read();
+                named_barrier(1 + consumer, 128);
+                store_cols_swizzled<BN, EPI_COLS>(acc, c_tile, first);
+                fence_proxy_async();
+                named_barrier(1 + consumer, 128);
+                if (thread == 0) {
+                    for (int c = 0; c < EPI_COLS / 64; ++c)
+                        tma_store_2d(c_map, c_tile + c * 64 * 64, col0 + first + 64 * c, row0 + consumer * 64);
+                    bulk_commit();
+                }
+            }
+        }
+        if (thread == 0) bulk_wait_read();  // the CTA's shared memory must outlive the last store's reads
+    }
+    if (CLUSTER_M > 1) cluster_sync();  // peers may still arrive on our barriers until they finish
+}

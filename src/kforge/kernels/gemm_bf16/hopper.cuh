@@ -1,0 +1,258 @@
+// Hopper building blocks for the bf16 GEMM rungs, one thin wrapper per PTX instruction.
+// Each rung file keeps its own idea (the pipeline, the roles, the schedule); this header
+// only names the instructions so the rungs read as algorithms. PTX ISA 8.x, sm_90a.
+//
+// Shared-memory layout used by every Hopper rung: operand tiles are written by TMA with
+// the 128-byte swizzle, so a tile is a stack of 128-byte rows (64 bf16 values) in which
+// 16-byte unit u of row r sits at unit u ^ (r % 8). Eight rows (1024 bytes) make one
+// swizzle atom, so tiles start at 1024-byte boundaries. wgmma reads the same layout
+// through a 64-bit descriptor (start address, LBO, SBO, swizzle mode).
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned short bf16_bits;  // a bf16 value as its 16 bits (cuda_bf16.h is not needed)
+
+#define CEIL_DIV(a, b) (((a) + (b) - 1) / (b))
+
+// A CUtensorMap (cuda.h): 128 opaque bytes that the launcher encodes on the host and
+// passes by value; kernels take it as `const __grid_constant__ TensorMap`.
+struct __align__(64) TensorMap { u64 opaque[16]; };
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+// The launcher derives block size and shared memory from the same #defines in Python; a
+// mismatch would corrupt memory quietly, so the kernel traps on it instead.
+__device__ __forceinline__ void check_launch(u32 threads, u32 shared_bytes) {
+    u32 dynamic;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic));
+    if (blockDim.x != threads || dynamic < shared_bytes) __trap();
+}
+
+// ---- mbarriers: a phase completes when its expected arrivals and bytes have all come ----
+
+__device__ __forceinline__ void mbar_init(u64* bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(arrivals));
+}
+// Makes the initialised barriers visible to the copy engine and to the other CTAs of a cluster.
+__device__ __forceinline__ void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
+// Arrive once and tell the barrier `bytes` more will land through TMA in this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+// Arrive on the barrier at the same offset in CTA `cta` of this cluster (possibly this one).
+__device__ __forceinline__ void mbar_arrive_cluster(u64* bar, u32 cta) {
+    asm volatile(
+        "{\n.reg .b32 remote;\n"
+        "mapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_u32(bar)),
+        "r"(cta)
+        : "memory");
+}
+// Spin until the phase with this parity (0, 1, 0, ...) has completed.
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}" ::"r"(smem_u32(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+// ---- TMA: bulk tensor copies; coordinates are (column, row) in elements ----
+
+__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap& map, u64* bar, int col, int row) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+            smem_u32(dst)),
+        "l"(reinterpret_cast<u64>(&map)), "r"(smem_u32(bar)), "r"(col), "r"(row)
+        : "memory");
+}
+// The same box written to the same shared offset of every CTA in `cta_mask`, each CTA's
+// barrier at `bar`'s offset told of the bytes.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const TensorMap& map, u64* bar, int col, int row,
+                                                      unsigned short cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_u32(dst)),
+        "l"(reinterpret_cast<u64>(&map)), "r"(smem_u32(bar)), "r"(col), "r"(row), "h"(cta_mask)
+        : "memory");
+}
+// Shared -> global; rows and columns outside the tensor are not written.
+__device__ __forceinline__ void tma_store_2d(const TensorMap& map, const void* src, int col, int row) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                     reinterpret_cast<u64>(&map)),
+                 "r"(smem_u32(src)), "r"(col), "r"(row)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Wait until the committed stores have finished reading shared memory (not until they land).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Ordinary shared-memory stores, made visible to the copy engine (the async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// ---- wgmma: a warpgroup (4 warps) multiplies 64 x 16 by 16 x N from shared memory ----
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int PENDING>  // wait until at most PENDING committed groups are still running
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+}
+
+// Descriptor of a 128-byte-swizzled tile. LBO: bytes between the 64-value chunks of the
+// contiguous dimension (used by N-major tiles only); SBO: bytes between 8-row groups.
+__device__ __forceinline__ u64 smem_desc(const void* start, u32 lbo, u32 sbo) {
+    return (u64)((smem_u32(start) & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) |
+           (1ull << 62);
+}
+// A K-major tile (rows of 64 k values, 128 bytes): its k-th 16-wide slice starts 32 bytes in.
+__device__ __forceinline__ u64 kmajor_desc(const bf16_bits* tile, int kslice) {
+    return smem_desc(tile + kslice * 16, 16, 1024);
+}
+// An N-major B tile: BK rows of k, stored as 64-column chunks of BK x 128 bytes each;
+// the k-th 16-row slice starts 16 rows (2048 bytes) in.
+template <int BK>
+__device__ __forceinline__ u64 nmajor_desc(const bf16_bits* tile, int kslice) {
+    return smem_desc(tile + kslice * 16 * 64, BK * 128, 1024);
+}
+
+// D(64 x 256, fp32) (+)= A(64 x 16, smem) * B(16 x 256, smem); TRANS_B = 1 when B's tile is N-major.
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], u64 a_desc, u64 b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(TRANS_B));
+}
+
+// D(64 x 128, fp32) (+)= A(64 x 16, smem) * B(16 x 128, smem); TRANS_B = 1 when B's tile is N-major.
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], u64 a_desc, u64 b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(TRANS_B));
+}
+
+// The accumulator of one warpgroup's 64 x TILE_N fp32 tile: lane l of warp w holds, for each
+// 8-column group i, rows 16w + l/4 and 16w + l/4 + 8 at columns 8i + 2(l%4) + {0, 1}.
+template <int TILE_N, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64k16(float (&d)[TILE_N / 2], u64 a_desc, u64 b_desc, int accumulate) {
+    static_assert(TILE_N == 128 || TILE_N == 256, "wgmma N of 128 or 256");
+    if constexpr (TILE_N == 256) wgmma_m64n256k16<TRANS_B>(d, a_desc, b_desc, accumulate);
+    else wgmma_m64n128k16<TRANS_B>(d, a_desc, b_desc, accumulate);
+}
+
+// ---- warp roles, clusters, conversions ----
+
+template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+template <int REGS> __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+// A barrier among `threads` threads (a multiple of 32) that leaves the others running.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    return rank;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {  // round to nearest even
+    u32 packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
+}
+
+// Which output tile the `tile`-th job is: GROUP_M rows of tiles at a time, walked column
+// by column inside a group, so the CTAs running together share A and B panels in L2.
+__device__ __forceinline__ void tile_coords(int tile, int tiles_m, int tiles_n, int group_m, int& tm, int& tn) {
+    const int per_group = group_m * tiles_n, first = (tile / per_group) * group_m;
+    const int rows = min(tiles_m - first, group_m), in_group = tile % per_group;
+    tm = first + in_group % rows;
+    tn = in_group / rows;
+}
+
+// One warpgroup's 64 x TILE_N accumulator, rounded to bf16, straight to global memory: each
+// lane stores 4-byte pairs (the simple epilogue of rungs 2 and 3; N is a multiple of 8).
+template <int TILE_N>
+__device__ __forceinline__ void store_tile_global(const float (&d)[TILE_N / 2], bf16_bits* C, int M, int N, int row0,
+                                                  int col0) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+#pragma unroll
+    for (int i = 0; i < TILE_N / 8; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = row0 + 16 * warp + lane / 4 + 8 * half, c = col0 + 8 * i + 2 * (lane % 4);
+            if (r < M && c < N)
+                *reinterpret_cast<u32*>(C + (size_t)r * N + c) = pack_bf16x2(d[4 * i + 2 * half], d[4 * i + 2 * half + 1]);
+        }
+}
+
+// Columns [first, first + COLS) of the same accumulator into shared memory laid out as
+// TMA's 128-byte swizzle expects (COLS/64 chunks of 64 rows x 128 bytes): the 8 rows a
+// warp writes per column group land in 8 different 16-byte units, so the 32 lanes hit 32
+// different banks. `first` must be a compile-time constant after unrolling (it indexes
+// registers).
+template <int TILE_N, int COLS>
+__device__ __forceinline__ void store_cols_swizzled(const float (&d)[TILE_N / 2], bf16_bits* tile, int first) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    char* base = reinterpret_cast<char*>(tile);
+#pragma unroll
+    for (int j = 0; j < COLS / 8; ++j)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int i = first / 8 + j, r = 16 * warp + lane / 4 + 8 * half, chunk = j / 8, unit = (j % 8) ^ (r % 8);
+            *reinterpret_cast<u32*>(base + chunk * 64 * 128 + r * 128 + unit * 16 + (lane % 4) * 4) =
+                pack_bf16x2(d[4 * i + 2 * half], d[4 * i + 2 * half + 1]);
+        }
+}

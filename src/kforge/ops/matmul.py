@@ -1,0 +1,69 @@
+"""`kforge.ops.matmul(a, b)`: C = a @ b on kforge's best bf16 GEMM for the shape.
+
+A `torch.library` custom op: torch.compile sees one opaque node with a fake (shape-only)
+implementation, and autograd uses the same op for the backward products. Our kernels
+take bf16 2-D operands on a Hopper GPU with N and K multiples of 8 (TMA's 16-byte rows);
+b may be K x N row-major or the transpose of an N x K row-major tensor (a linear layer's
+weight, `w.t()`), which the kernel reads as it lies. Anything else goes to torch.matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Which kernel for which shape, from `kforge bench gemm` on the H100 (benchmarks/results/...):
+# the persistent rung everywhere it was timed; see the README's GEMM section for the table.
+BEST_RUNG = 4
+
+
+def _layout(b: torch.Tensor) -> str | None:
+    if b.is_contiguous():
+        return "kn"
+    if b.t().is_contiguous():
+        return "nk"
+    return None
+
+
+def ours_can_run(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the shape and placement suit our kernels (else the op falls back to torch.matmul)."""
+    if a.dim() != 2 or b.dim() != 2 or a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        return False
+    if not (a.is_cuda and b.is_cuda and a.device == b.device and a.is_contiguous()):
+        return False
+    if torch.cuda.get_device_capability(a.device) != (9, 0):
+        return False
+    m, k = a.shape
+    n = b.shape[1]
+    return (m > 0 and n % 8 == 0 and k % 8 == 0 and k > 0 and _layout(b) is not None
+            and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
+
+
+@torch.library.custom_op("kforge::matmul", mutates_args=())
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if not ours_can_run(a, b):
+        return torch.matmul(a, b)
+    from kforge.kernels.gemm_bf16 import gemm
+
+    layout = _layout(b)
+    return gemm(a, b if layout == "kn" else b.t(), BEST_RUNG, b_layout=layout)
+
+
+@matmul.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "kforge::matmul takes 2-D tensors")
+    torch._check(a.shape[1] == b.shape[0], lambda: f"inner dimensions differ: {a.shape} @ {b.shape}")
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _backward(ctx, grad: torch.Tensor):
+    a, b = ctx.saved_tensors
+    grad_a = matmul(grad, b.t()) if ctx.needs_input_grad[0] else None
+    grad_b = matmul(a.t().contiguous(), grad) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b
+
+
+def _save(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+matmul.register_autograd(_backward, setup_context=_save)

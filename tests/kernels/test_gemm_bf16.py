@@ -1,0 +1,182 @@
+"""The bf16 GEMM ladder: every Hopper rung compiled for sm_90a and its machine code checked
+(on any machine), the Triton kernel under the interpreter, kforge.ops.matmul as a custom
+op; on a GPU, every rung and both B layouts on odd shapes against a float64 reference."""
+
+import math
+import re
+
+import pytest
+import torch
+
+from kforge.bench import bench_rows, gemm_shapes, geomean
+from kforge.kernels import gemm_bf16
+from kforge.kernels.gemm_bf16 import RUNGS, LaunchError, gemm, rung
+from kforge.kernels.gemm_bf16 import triton_matmul
+from kforge.ops import matmul
+from kforge.runtime.cuda import compile_cuda, resources, sass
+
+ODD_SHAPES = [(1, 8, 8), (67, 48, 72), (129, 136, 72), (257, 264, 4104), (1000, 520, 1032)]
+
+
+def test_every_rung_file_is_registered_and_says_what_it_changed():
+    files = sorted(p.name for p in gemm_bf16.HERE.glob("*.cu"))
+    assert files == [r.source.name for r in RUNGS]
+    for r in RUNGS:
+        text = r.source.read_text()
+        assert text.splitlines()[0].startswith(f"// Rung {r.number}: "), r.source.name
+        assert "Predicted" in text and "What changed" in text, r.source.name
+
+
+@pytest.mark.parametrize("b_layout", gemm_bf16.B_LAYOUTS)
+@pytest.mark.parametrize("step", RUNGS, ids=lambda r: r.label)
+def test_hopper_rungs_assemble_to_wgmma_and_tma_without_spills(step, b_layout):
+    cubin = compile_cuda(step.source, arch="sm_90a", defines={"B_KMAJOR": int(b_layout == "nk")})
+    code = sass(cubin)
+    assert re.search(r"\bHGMMA\.64x256x16\.F32\.BF16\b", code), "no wgmma in the machine code"
+    assert "UTMALDG" in code, "no TMA loads"
+    if b_layout == "kn":
+        assert ".tnspB" in code, "a K x N B must be read N-major (transposed) by wgmma"
+    used = resources(cubin)["gemm"]
+    assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0)
+    assert not re.search(r"\b(STL|LDL)\b", code), "local memory in the machine code"
+    if step.number >= 3:  # warp-specialized: registers move from the producer to the consumers
+        assert "USETMAXREG.DEALLOC" in code and "USETMAXREG.TRY_ALLOC" in code
+        assert "C7508" not in cubin.ptxas_log, "ptxas ignored setmaxnreg"
+    if step.persistent:
+        assert "UTMASTG" in code, "the persistent rungs store C through TMA"
+    assert ("MULTICAST" in code) == (step.number == 5), "only rung 5 multicasts"
+
+
+def test_sweep_variants_compile_and_fit_shared_memory():
+    for number, defines in gemm_bf16.SWEEP:
+        step = rung(number)
+        assert step.shared_bytes(step.parameters(defines)) <= 227 * 1024
+        compile_cuda(step.source, arch="sm_90a", defines=defines)
+
+
+def test_rungs_are_found_by_number_name_or_label():
+    assert rung(4) is rung("4") is rung("persistent") is rung("04_persistent")
+    with pytest.raises(LaunchError, match="no bf16 GEMM rung"):
+        rung(9)
+
+
+def _bf16(*shape):
+    return torch.ones(*shape, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda: gemm(_bf16(4, 16), _bf16(8, 8)), "inner dimensions differ"),
+    (lambda: gemm(_bf16(4, 16), _bf16(8, 8), b_layout="nk"), "inner dimensions differ"),
+    (lambda: gemm(torch.ones(4, 16), _bf16(16, 8)), "takes torch.bfloat16"),
+    (lambda: gemm(_bf16(4, 12), _bf16(12, 8)), "multiples of 8"),
+    (lambda: gemm(_bf16(4, 16), _bf16(16, 12)), "multiples of 8"),
+    (lambda: gemm(_bf16(4, 16), _bf16(16, 8), b_layout="tn"), "b_layout must be"),
+    (lambda: gemm(_bf16(16), _bf16(16, 8)), "must be a 2-D tensor"),
+    (lambda: gemm(_bf16(4, 16), _bf16(16, 8)), "the kernels run on a CUDA device"),
+])
+def test_bad_arguments_are_refused_before_any_kernel_runs(bad, message):
+    with pytest.raises(LaunchError, match=message):
+        bad()
+
+
+@pytest.mark.parametrize("b_layout", ["kn", "nk"])
+@pytest.mark.parametrize("m, n, k", [(37, 48, 72), (1, 16, 8), (70, 40, 136)])
+def test_triton_kernel_matches_fp32_under_the_interpreter(m, n, k, b_layout):
+    torch.manual_seed(0)
+    a = torch.randn(m, k, dtype=torch.float16)
+    b = torch.randn(k, n, dtype=torch.float16) if b_layout == "kn" else torch.randn(n, k, dtype=torch.float16)
+    got = triton_matmul.matmul(a, b, b_layout=b_layout, config=dict(BM=16, BN=16, BK=16, GROUP_M=2))
+    expected = a.double() @ (b.double() if b_layout == "kn" else b.double().t())
+    assert got.shape == (m, n) and got.dtype == torch.float16
+    torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=2e-3)
+
+
+def test_ops_matmul_is_a_custom_op_that_traces_and_differentiates():
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 8, requires_grad=True), torch.randn(8, 3, requires_grad=True)
+    out = matmul(a, b)  # on CPU: the torch fallback, through the same op
+    torch.testing.assert_close(out, a @ b)
+    out.sum().backward()
+    torch.testing.assert_close(a.grad, torch.ones(5, 3) @ b.detach().t())
+    torch.testing.assert_close(b.grad, a.detach().t() @ torch.ones(5, 3))
+    compiled = torch.compile(lambda x, y: matmul(x, y) * 2, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(a.detach(), b.detach()), 2 * (a.detach() @ b.detach()))
+    torch.library.opcheck(matmul, (torch.randn(4, 8), torch.randn(8, 16)))
+    with pytest.raises(RuntimeError, match="inner dimensions differ"):
+        torch.compile(lambda x, y: matmul(x, y), backend="aot_eager", fullgraph=True)(torch.randn(4, 8),
+                                                                                     torch.randn(7, 3))
+
+
+def test_bench_covers_squares_and_llama_projections_and_summarises_ratios():
+    shapes = gemm_shapes()
+    assert [s.label for s in shapes[:4]] == ["1024^3", "2048^3", "4096^3", "8192^3"]
+    assert len(shapes) == 4 + 2 * 4 * 3 and {s.m for s in shapes[4:]} == {16, 128, 4096}
+    assert all(s.b_layout == "nk" for s in shapes[4:])
+
+    def record(method, ms, ref_ms, status="slower"):
+        return {"candidate": {"name": method}, "status": status, "problem": {"name": "linear_bf16",
+                "size": "M=16,N=4096,K=4096"}, "roofline": {"flops": 2e12},
+                "gate2": {"stats": {"candidate": {"median_ms": ms}, "reference": {"median_ms": ref_ms}}}}
+
+    rows = bench_rows([record("ours", 4.0, 2.0), record("triton", 1.0, 2.0, "passed"), record("ours", 2.0, 3.0)])
+    assert len(rows) == 1 and rows[0].shape == "linear M=16 N=4096 K=4096"
+    assert rows[0].vs_cublas == {"ours": 1.5, "triton": 2.0}  # the latest record of each method wins
+    assert rows[0].tflops["ours"] == pytest.approx(1000.0) and rows[0].tflops["cuBLAS"] == pytest.approx(1000.0)
+    assert geomean([1.5, 2.0, None]) == pytest.approx(math.sqrt(3.0))
+
+
+# --- on the GPU ------------------------------------------------------------------------
+
+
+def _operands(m, n, k, b_layout):
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(*((k, n) if b_layout == "kn" else (n, k)), device="cuda", dtype=torch.bfloat16)
+    return a, b, a.double() @ (b.double() if b_layout == "kn" else b.double().t())
+
+
+def _assert_close(got, expected):
+    assert not got.isnan().any(), "an element was never written"
+    err = ((got.double() - expected).abs().max() / expected.abs().max()).item()
+    assert err < 1e-2, f"max error {err:.2e} of the largest entry"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_layout", gemm_bf16.B_LAYOUTS)
+@pytest.mark.parametrize("step", RUNGS, ids=lambda r: r.label)
+def test_rungs_are_correct_on_odd_shapes(step, b_layout):
+    torch.manual_seed(0)
+    for m, n, k in ODD_SHAPES:
+        a, b, expected = _operands(m, n, k, b_layout)
+        torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")  # freed: the output reuses it
+        _assert_close(gemm(a, b, step, b_layout=b_layout), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("number, defines", gemm_bf16.SWEEP)
+def test_sweep_variants_are_correct(number, defines):
+    torch.manual_seed(1)
+    for b_layout in gemm_bf16.B_LAYOUTS:
+        a, b, expected = _operands(333, 520, 1096, b_layout)
+        _assert_close(gemm(a, b, number, b_layout=b_layout, defines=defines), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_layout", ["kn", "nk"])
+def test_triton_kernel_on_the_gpu(b_layout):
+    torch.manual_seed(2)
+    for m, n, k in [(67, 48, 72), (1000, 520, 1032)]:
+        a, b, expected = _operands(m, n, k, b_layout)
+        _assert_close(triton_matmul.matmul(a, b, b_layout=b_layout), expected)
+
+
+@pytest.mark.gpu
+def test_ops_matmul_uses_our_kernel_for_both_layouts_and_compiles():
+    torch.manual_seed(3)
+    a, w, expected = _operands(300, 264, 520, "nk")
+    _assert_close(matmul(a, w.t()), expected)  # a linear layer's weight, read as it lies
+    _assert_close(matmul(a, w.t().contiguous()), expected)
+    odd = torch.randn(300, 513, device="cuda", dtype=torch.bfloat16)  # K = 513: the torch fallback
+    torch.testing.assert_close(matmul(odd, torch.ones(513, 8, device="cuda", dtype=torch.bfloat16)),
+                               odd @ torch.ones(513, 8, device="cuda", dtype=torch.bfloat16))
+    compiled = torch.compile(lambda x, y: matmul(x, y).relu(), fullgraph=True)
+    _assert_close(compiled(a, w.t()), expected.relu())
