@@ -123,4 +123,6 @@ def test_launch_checks_arguments_before_touching_a_device(source):
         kernel.launch(1, 32, (2**31,))
     with pytest.raises(LaunchError, match="argument 0 is a str"):
         kernel.launch(1, 32, ("x",))
+    with pytest.raises(LaunchError, match="not a whole number of clusters"):
+        kernel.launch(3, 32, (8,), cluster=2)
     assert kernel._loaded == {}  # nothing was loaded, let alone launched

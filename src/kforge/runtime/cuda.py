@@ -24,7 +24,7 @@ import os
 import re
 import subprocess
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -309,6 +309,7 @@ class CudaKernel:
         self._loaded: dict[int, object] = {}  # per device index
         self._shared_allowed: dict[int, int] = {}  # dynamic shared memory opted in to, per device
         self._max_clusters: dict[tuple, int] = {}
+        self._prepared: dict[tuple, Callable[..., None]] = {}
 
     @classmethod
     def from_file(cls, source: str | Path, name: str, *, defines: Mapping[str, object] | None = None,
@@ -328,15 +329,8 @@ class CudaKernel:
         """
         import numpy as np
         import torch
-        from cuda.core import LaunchConfig, launch
 
-        grid, block = _dims(grid, "grid"), _dims(block, "block")
-        if cluster is not None:
-            cluster = _dims(cluster, "cluster")
-            if any(g % c for g, c in zip(grid, cluster)):
-                raise LaunchError(f"{self.name}: grid {grid} is not a whole number of clusters {cluster}")
-        if block[0] * block[1] * block[2] > _MAX_THREADS_PER_BLOCK:
-            raise LaunchError(f"{self.name}: block {block} has more than {_MAX_THREADS_PER_BLOCK} threads")
+        self._shape(grid, block, cluster)
         packed = []
         for position, arg in enumerate(args):
             if isinstance(arg, torch.Tensor):
@@ -362,14 +356,42 @@ class CudaKernel:
         if not torch.cuda.is_available():
             raise LaunchError(f"{self.name}: no CUDA device to launch on")
         index = devices.pop().index if devices else torch.cuda.current_device()
-        kernel = self._kernel(index, shared_bytes)
-        stream = _stream(index, torch.cuda.current_stream(index).cuda_stream)
-        if cluster is None:
-            config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
-        else:  # cuda.core counts the grid in clusters when a cluster shape is given
-            clusters = tuple(g // c for g, c in zip(grid, cluster))
-            config = LaunchConfig(grid=clusters, cluster=cluster, block=block, shmem_size=shared_bytes)
-        launch(stream, config, kernel, *packed)
+        self.prepare(grid, block, index, shared_bytes=shared_bytes, cluster=cluster)(*packed)
+
+    def _shape(self, grid, block, cluster) -> tuple:
+        grid, block = _dims(grid, "grid"), _dims(block, "block")
+        if cluster is not None:
+            cluster = _dims(cluster, "cluster")
+            if any(g % c for g, c in zip(grid, cluster)):
+                raise LaunchError(f"{self.name}: grid {grid} is not a whole number of clusters {cluster}")
+        if block[0] * block[1] * block[2] > _MAX_THREADS_PER_BLOCK:
+            raise LaunchError(f"{self.name}: block {block} has more than {_MAX_THREADS_PER_BLOCK} threads")
+        return grid, block, cluster
+
+    def prepare(self, grid: int | Sequence[int], block: int | Sequence[int], index: int, *, shared_bytes: int = 0,
+                cluster: int | Sequence[int] | None = None) -> Callable[..., None]:
+        """Check a launch's shape once and return a function that launches it on torch's
+        current stream of device `index` with arguments already packed (ints for pointers,
+        numpy scalars, tensor maps). `launch` goes through here; a hot path keeps the
+        function and skips re-checking (a launch through `launch` costs ~50 us of Python)."""
+        import torch
+        from cuda.core import LaunchConfig, launch
+
+        grid, block, cluster = self._shape(grid, block, cluster)
+        key = (grid, block, index, shared_bytes, cluster)
+        if key not in self._prepared:
+            kernel = self._kernel(index, shared_bytes)
+            if cluster is None:
+                config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+            else:  # cuda.core counts the grid in clusters when a cluster shape is given
+                clusters = tuple(g // c for g, c in zip(grid, cluster))
+                config = LaunchConfig(grid=clusters, cluster=cluster, block=block, shmem_size=shared_bytes)
+
+            def go(*packed) -> None:
+                launch(_stream(index, torch.cuda.current_stream(index).cuda_stream), config, kernel, *packed)
+
+            self._prepared[key] = go
+        return self._prepared[key]
 
     def max_active_clusters(self, block: int, cluster: int, shared_bytes: int, index: int) -> int:
         """How many clusters of `cluster` blocks can run at once on device `index` (the

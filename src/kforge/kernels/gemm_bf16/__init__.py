@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -123,6 +124,26 @@ def _check(a: torch.Tensor, b: torch.Tensor, b_layout: str) -> tuple[int, int, i
     return m, n, k
 
 
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _plan(step: Rung, b_layout: str, defines: Mapping[str, int] | None, m: int, n: int, index: int) -> tuple:
+    """Grid, block and shared memory for one problem shape, checked once: the per-call path is
+    then only the tensor maps and the launch (Python time per call matters at small shapes)."""
+    kernel, p = prepared(step, b_layout, defines)
+    cluster = p.get("CLUSTER_M", 1)
+    with torch.cuda.device(index):
+        if step.persistent:
+            jobs = _cdiv(_cdiv(m, p["BM"]), cluster) * _cdiv(n, p["BN"])
+            resident = kernel.max_active_clusters(step.threads(p), cluster, step.shared_bytes(p), index)
+            grid = (min(jobs, resident) * cluster,)
+        else:
+            grid = (_cdiv(n, p["BN"]), _cdiv(m, p["BM"]))
+        launch = kernel.prepare(grid, step.threads(p), index, shared_bytes=step.shared_bytes(p),
+                                cluster=cluster if cluster > 1 else None)
+    return launch, p, cluster
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layout: str = "kn",
          defines: Mapping[str, int] | None = None) -> torch.Tensor:
     """C = a @ b (b_layout "kn") or a @ b.T ("nk") with one rung's kernel, bf16 in and out."""
@@ -133,24 +154,21 @@ def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layo
         return c
     if k == 0:
         return c.zero_()
-    kernel, p = prepared(step, b_layout, defines)
-    cluster = p.get("CLUSTER_M", 1)
+    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    plan_key = (step.number, b_layout, tuple(sorted((defines or {}).items())), m, n, k, index)
+    plan = _PLANS.get(plan_key)
+    if plan is None:
+        plan = _PLANS[plan_key] = _plan(step, b_layout, defines, m, n, index)
+    launch, p, cluster = plan
     a_map = tensor_map(a, (p["BM"], p["BK"]))
     # K-major B: one box of BN rows (a cluster's CTAs each load their share); N-major: 64-column boxes.
     b_map = tensor_map(b, (p["BN"] // cluster, p["BK"]) if b_layout == "nk" else (p["BK"], 64))
-    with torch.cuda.device(a.device):
-        if step.persistent:
-            jobs = _cdiv(_cdiv(m, p["BM"]), cluster) * _cdiv(n, p["BN"])
-            resident = kernel.max_active_clusters(step.threads(p), cluster, step.shared_bytes(p), a.device.index)
-            grid = min(jobs, resident) * cluster
-            args = (a_map, b_map, tensor_map(c, (64, 64)), m, n, k)
-            kernel.launch(grid, step.threads(p), args, shared_bytes=step.shared_bytes(p),
-                          cluster=cluster if cluster > 1 else None)
-        else:
-            grid = (_cdiv(n, p["BN"]), _cdiv(m, p["BM"]))
-            kernel.launch(grid, step.threads(p), (a_map, b_map, c, m, n, k), shared_bytes=step.shared_bytes(p))
+    sizes = (np.int32(m), np.int32(n), np.int32(k))
+    if step.persistent:
+        launch(a_map, b_map, tensor_map(c, (64, 64)), *sizes)
+    else:
+        launch(a_map, b_map, c.data_ptr(), *sizes)
     return c
-
 
 
 class RungModel(nn.Module):
