@@ -49,13 +49,13 @@ def gemm_shapes() -> list[GemmShape]:
     return shapes
 
 
-def gemm_methods(b_layout: str) -> dict[str, Candidate]:
-    """The methods timed against cuBLAS: ours (the rung kforge.ops.matmul uses) and Triton."""
+def gemm_methods(b_layout: str, m: int) -> dict[str, Candidate]:
+    """The methods timed against cuBLAS: ours (the rung kforge.ops.matmul picks for M) and Triton."""
     from kforge.kernels import gemm_bf16
     from kforge.ladder import _candidate
-    from kforge.ops.matmul import BEST_RUNG
+    from kforge.ops.matmul import best_rung
 
-    step = gemm_bf16.rung(BEST_RUNG)
+    step = gemm_bf16.rung(best_rung(m))
     return {
         "ours": _candidate("ours", lambda: gemm_bf16.RungModel(step, b_layout), [step.source]),
         "triton": _candidate("triton", lambda: gemm_bf16.TritonMatmul(b_layout), [gemm_bf16.TRITON_SOURCE]),
@@ -78,7 +78,7 @@ def run_gemm_bench(shapes: Sequence[GemmShape], *, time_budget: float, results: 
     records = []
     for shape in shapes:
         problem = load_problem(shape.problem, "full", {"M": shape.m, "N": shape.n, "K": shape.k})
-        for method, candidate in gemm_methods(shape.b_layout).items():
+        for method, candidate in gemm_methods(shape.b_layout, shape.m).items():
             if on_step:
                 on_step(f"{shape.label} {method}")
             record = evaluate(problem, candidate, device=device, ceilings=ceilings,

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import torch
 
-# Which kernel for which shape, from `kforge bench gemm` on the H100 (benchmarks/results/...):
-# the persistent rung everywhere it was timed; see the README's GEMM section for the table.
-BEST_RUNG = 4
+
+
+def best_rung(m: int) -> int:
+    """Which rung for M rows (from the H100 ladders and `kforge bench gemm`, README's GEMM
+    section): rung 5's clusters pair two row tiles (128 rows each) on one column of B, so
+    with a single row tile the second CTA of every pair would idle; rung 4 takes those."""
+    return 5 if m > 128 else 4
 
 
 def _layout(b: torch.Tensor) -> str | None:
@@ -45,7 +49,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     from kforge.kernels.gemm_bf16 import gemm
 
     layout = _layout(b)
-    return gemm(a, b if layout == "kn" else b.t(), BEST_RUNG, b_layout=layout)
+    return gemm(a, b if layout == "kn" else b.t(), best_rung(a.shape[0]), b_layout=layout)
 
 
 @matmul.register_fake
