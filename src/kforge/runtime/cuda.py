@@ -432,6 +432,16 @@ def _allow_dynamic_shared(kernel, shared_bytes: int, index: int) -> None:
         raise LaunchError(f"cannot give the kernel {shared_bytes} bytes of shared memory: {status.name}")
 
 
+class _BareArray:
+    """A 2-D tensor's address, shape and strides as a CUDA array interface (2-byte elements),
+    without a reference to the tensor."""
+
+    def __init__(self, tensor):
+        self.__cuda_array_interface__ = {
+            "shape": tuple(tensor.shape), "strides": tuple(2 * s for s in tensor.stride()), "typestr": "<i2",
+            "data": (tensor.data_ptr(), False), "version": 3, "stream": None}
+
+
 _TENSOR_MAPS: dict[tuple, object] = {}
 _TENSOR_MAP_CACHE_SIZE = 256
 
@@ -462,7 +472,9 @@ def tensor_map(tensor, box: Sequence[int], *, swizzle_bytes: int = 128):
            tensor.device.index)
     found = _TENSOR_MAPS.get(key)
     if found is None:
-        view = StridedMemoryView.from_dlpack(tensor.view(torch.int16), stream_ptr=-1)  # a 2-byte view dlpack knows
+        # A view of the bare address, not of the tensor: a cached descriptor must not keep
+        # its tensor alive (a dlpack view would, and the cache would hold gigabytes).
+        view = StridedMemoryView.from_cuda_array_interface(_BareArray(tensor), stream_ptr=-1)
         found = view.as_tensor_map(tuple(box), data_type=kinds[tensor.dtype], swizzle=swizzles[swizzle_bytes])
         if len(_TENSOR_MAPS) >= _TENSOR_MAP_CACHE_SIZE:
             _TENSOR_MAPS.pop(next(iter(_TENSOR_MAPS)))  # first in, first out
