@@ -52,13 +52,13 @@ def gemm_shapes() -> list[GemmShape]:
 def gemm_methods(b_layout: str, m: int) -> dict[str, Candidate]:
     """The methods timed against cuBLAS: ours (the rung kforge.ops.matmul picks for M) and Triton."""
     from kforge.kernels import gemm_bf16
-    from kforge.ladder import _candidate
+    from kforge.ladder import source_candidate
     from kforge.ops.matmul import best_rung
 
     step = gemm_bf16.rung(best_rung(m))
     return {
-        "ours": _candidate("ours", lambda: gemm_bf16.RungModel(step, b_layout), [step.source]),
-        "triton": _candidate("triton", lambda: gemm_bf16.TritonMatmul(b_layout), [gemm_bf16.TRITON_SOURCE]),
+        "ours": source_candidate("ours", lambda: gemm_bf16.RungModel(step, b_layout), [step.source]),
+        "triton": source_candidate("triton", lambda: gemm_bf16.TritonMatmul(b_layout), [gemm_bf16.TRITON_SOURCE]),
     }
 
 

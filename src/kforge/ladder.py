@@ -48,8 +48,8 @@ class Ladder:
             return [(sweep_label(d), rung_candidate(base, d)) for d in gemm_fp32.SWEEP]
         from kforge.kernels import gemm_bf16
 
-        return [(f"{step.label} {_defines_label(d)}", rung_candidate(step, d, label=f"{step.label} {_defines_label(d)}"))
-                for step, d in ((gemm_bf16.rung(n), d) for n, d in gemm_bf16.SWEEP)]
+        candidates = [rung_candidate(gemm_bf16.rung(number), d) for number, d in gemm_bf16.SWEEP]
+        return [(c.name, c) for c in candidates]
 
 
 def _matches(label: str, wanted: str) -> bool:
@@ -69,10 +69,10 @@ def _bf16_steps() -> list[tuple[str, Candidate]]:
     from kforge.kernels import gemm_bf16, gemm_fp32
 
     best_fp32 = gemm_fp32.rung(9)
-    steps = [("fp32_" + best_fp32.label, _candidate("fp32_" + best_fp32.label, gemm_bf16.Fp32RungOnBf16,
+    steps = [("fp32_" + best_fp32.label, source_candidate("fp32_" + best_fp32.label, gemm_bf16.Fp32RungOnBf16,
                                                    [best_fp32.source]))]
     steps += [(step.label, rung_candidate(step)) for step in gemm_bf16.RUNGS]
-    steps.append(("triton", _candidate("triton", gemm_bf16.TritonMatmul, [gemm_bf16.TRITON_SOURCE])))
+    steps.append(("triton", source_candidate("triton", gemm_bf16.TritonMatmul, [gemm_bf16.TRITON_SOURCE])))
     return steps
 
 
@@ -91,7 +91,7 @@ def get_ladder(family: str, dtype: str) -> Ladder:
     return ladder
 
 
-def _candidate(label: str, factory: Callable, sources: Sequence[Path], defines: Mapping[str, int] | None = None
+def source_candidate(label: str, factory: Callable, sources: Sequence[Path], defines: Mapping[str, int] | None = None
                ) -> Candidate:
     """A candidate identified by the bytes of its sources (and what they include) and its defines."""
     from kforge.runtime.cuda import source_files
@@ -104,13 +104,18 @@ def _candidate(label: str, factory: Callable, sources: Sequence[Path], defines: 
     return Candidate(name=label, factory=factory, path=sources[0], sha256=digest.hexdigest())
 
 
-def rung_candidate(step, defines: Mapping[str, int] | None = None, *, label: str | None = None) -> Candidate:
-    """A rung (of either GEMM ladder) as a harness candidate."""
+def rung_candidate(step, defines: Mapping[str, int] | None = None) -> Candidate:
+    """A rung (of either GEMM ladder) as a harness candidate, named after its defines if any."""
     from kforge.kernels import gemm_bf16, gemm_fp32
 
-    model = gemm_fp32.RungModel if isinstance(step, gemm_fp32.Rung) else gemm_bf16.RungModel
-    name = label or (step.label if not defines else sweep_label(defines))
-    return _candidate(name, lambda: model(step, defines=defines), [step.source], defines)
+    fp32 = isinstance(step, gemm_fp32.Rung)
+    model = gemm_fp32.RungModel if fp32 else gemm_bf16.RungModel
+    if defines is None:
+        name = step.label
+    else:
+        name = sweep_label(defines) if fp32 else f"{step.label} " + (
+            " ".join(f"{k}={v}" for k, v in defines.items()) or "defaults")
+    return source_candidate(name, lambda: model(step, defines=defines), [step.source], defines)
 
 
 def sweep_label(defines: Mapping[str, int]) -> str:
@@ -118,9 +123,6 @@ def sweep_label(defines: Mapping[str, int]) -> str:
     return (f"{d['BM']}x{d['BN']}x{d['BK']} warp {d['WM']}x{d['WN']}/{d['WNITER']} thread {d['TM']}x{d['TN']} "
             f"n{d['NUM_THREADS']} mb{d['MIN_BLOCKS']} g{d['GROUP_M']}")
 
-
-def _defines_label(defines: Mapping[str, int]) -> str:
-    return " ".join(f"{k}={v}" for k, v in defines.items()) or "defaults"
 
 
 def require_gpu() -> None:

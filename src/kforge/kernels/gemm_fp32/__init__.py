@@ -117,26 +117,16 @@ def rung(which: int | str) -> Rung:
     raise LaunchError(f"no fp32 GEMM rung {which!r} (rungs: {', '.join(r.label for r in RUNGS)})")
 
 
-_KERNELS: dict[tuple, CudaKernel] = {}
+_PREPARED: dict[tuple, tuple[CudaKernel, dict[str, int]]] = {}
 
 
-def kernel_for(step: Rung, defines: Mapping[str, int] | None = None) -> CudaKernel:
-    """The rung's compiled kernel (compiled once per process, cached on disk across them)."""
+def prepared(step: Rung, defines: Mapping[str, int] | None = None) -> tuple[CudaKernel, dict[str, int]]:
+    """The rung's compiled kernel and its parameters, once per process (compiled cubins are
+    also cached on disk across processes; reading the parameters parses the sources, ~0.4 ms)."""
     key = (step.number, tuple(sorted((defines or {}).items())))
-    if key not in _KERNELS:
-        _KERNELS[key] = CudaKernel.from_file(step.source, "sgemm", defines=defines)
-    return _KERNELS[key]
-
-
-_PARAMETERS: dict[tuple, dict[str, int]] = {}
-
-
-def _parameters(step: Rung, defines: Mapping[str, int] | None) -> dict[str, int]:
-    """step.parameters, once per process: it parses the sources (~0.4 ms per call)."""
-    key = (step.number, tuple(sorted((defines or {}).items())))
-    if key not in _PARAMETERS:
-        _PARAMETERS[key] = step.parameters(defines)
-    return _PARAMETERS[key]
+    if key not in _PREPARED:
+        _PREPARED[key] = (CudaKernel.from_file(step.source, "sgemm", defines=defines), step.parameters(defines))
+    return _PREPARED[key]
 
 
 def sgemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 9,
@@ -164,8 +154,8 @@ def sgemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 9,
     c = torch.empty((m, n), dtype=torch.float32, device=a.device)
     if m == 0 or n == 0:
         return c
-    params = _parameters(step, defines)
-    kernel_for(step, defines).launch(step.grid(params, m, n), step.block(params), (a, b, c, m, n, k),
+    kernel, params = prepared(step, defines)
+    kernel.launch(step.grid(params, m, n), step.block(params), (a, b, c, m, n, k),
                                      shared_bytes=step.shared_bytes(params))
     return c
 
