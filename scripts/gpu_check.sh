@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The one GPU call: tests marked gpu, the roofline, the examples, the GEMM ladder; a short table last.
+# The one GPU call: tests marked gpu, the roofline, the examples, the GEMM ladder, the attention bench.
 # On the device machine: bash scripts/gpu_check.sh   (writes under $OUT, or ./gpu-out)
 # PARTS picks what runs (default: all): any of  tests examples ladder sweep ladder-bf16 sweep-bf16 bench-gemm
+#   tests-attention sweep-attention bench-attention   ("tests" already includes tests-attention)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
 export KFORGE_CACHE_DIR="${KFORGE_CACHE_DIR:-/tmp/kforge-cache}"
-parts=" ${PARTS:-tests examples ladder sweep ladder-bf16 sweep-bf16 bench-gemm} "
+parts=" ${PARTS:-tests examples ladder sweep ladder-bf16 sweep-bf16 bench-gemm bench-attention} "
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$out/nvidia-smi.csv"
@@ -40,4 +41,14 @@ if [[ $parts == *" ladder-bf16 "* ]]; then
     python3 -m kforge ladder gemm --dtype bf16 --size $size --results "$out/ladder-gemm-bf16-$size.jsonl" 2>&1 \
       | tee "$out/ladder-bf16-$size.txt"
   done
+fi
+if [[ $parts == *" tests-attention "* ]]; then
+  python3 -m pytest -q -m gpu tests/kernels/test_attention.py 2>&1 | tail -25 | tee "$out/pytest-gpu-attention.log"
+fi
+if [[ $parts == *" sweep-attention "* ]]; then
+  python3 -m kforge bench attention --sweep --shapes "full N=4096 D=128,causal N=4096 D=128" \
+    --results "$out/bench-attention-sweep.jsonl" 2>&1 | tee "$out/bench-attention-sweep.txt"
+fi
+if [[ $parts == *" bench-attention "* ]]; then
+  python3 -m kforge bench attention --results "$out/bench-attention.jsonl" 2>&1 | tee "$out/bench-attention.txt"
 fi

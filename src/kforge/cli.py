@@ -207,36 +207,53 @@ def ladder_command(
 
 class BenchFamily(str, Enum):
     gemm = "gemm"
+    attention = "attention"
 
 
 @app.command("bench")
 def bench_command(
-    family: BenchFamily = typer.Argument(..., help="What to benchmark: gemm."),
-    shapes: str = typer.Option("all", help="all, squares, llm, or a comma list of labels "
-                               "(1024^3, '8B qkv M=16', ...)."),
+    family: BenchFamily = typer.Argument(..., help="What to benchmark: gemm or attention."),
+    shapes: str = typer.Option("all", help="all; for gemm also squares or llm; or a comma list of shape labels "
+                               "(gemm: 1024^3, '8B qkv M=16', ...; attention: 'full N=4096 D=128', "
+                               "'causal N=512 D=64', ...)."),
     time_budget: float = typer.Option(1.0, min=0.1, help="Seconds of timed rounds per evaluation at most."),
-    results: Path = typer.Option(Path("bench-gemm.jsonl"), help="JSONL file the records are appended to."),
+    results: Path = typer.Option(None, help="JSONL file the records are appended to (default: bench-FAMILY.jsonl).",
+                                 show_default=False),
     chart: Path = typer.Option(None, help="PNG chart (default: the results path with .png).", show_default=False),
     replot: bool = typer.Option(False, help="Measure nothing: redraw the table and chart from --results."),
+    sweep: bool = typer.Option(False, help="attention: time our kernel in each of its autotuner's configs "
+                               "instead of the methods."),
 ) -> None:
-    """Our best kernel and the Triton kernel against cuBLAS over a sweep of shapes, in one run."""
+    """Our kernels against the best library over a sweep of shapes, in one run: GEMM vs
+    cuBLAS (ours and Triton), attention vs SDPA's flash backend (ours, naive, cuDNN,
+    efficient)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from kforge.bench import bench_rows, gemm_shapes, run_gemm_bench, save_bench_chart
+    from kforge.bench import bench_rows, run_bench, save_bench_chart
     from kforge.harness.record import read_records
-    from kforge.views import bench_view
 
+    results = results or Path(f"bench-{family.value}.jsonl")
     chart = chart or results.with_suffix(".png")
+    if family == BenchFamily.gemm:
+        from kforge.bench import gemm as bench
+        every = bench.gemm_shapes()
+        groups = {"squares": [s for s in every if s.b_layout == "kn"], "llm": [s for s in every if s.b_layout == "nk"]}
+        make_jobs, label = bench.gemm_jobs, bench.gemm_label
+    else:
+        from kforge.bench import attention as bench
+        every, groups = bench.attention_shapes(), {}
+        make_jobs, label = bench.sweep_jobs if sweep else bench.attention_jobs, bench.attention_label
+    if sweep and family != BenchFamily.attention:
+        raise KforgeError("--sweep is for attention (the GEMM sweep is `kforge ladder gemm --sweep`)")
     if replot:
         if not results.is_file():
             raise KforgeError(f"nothing to replot: {results} does not exist")
         records = read_records(results)
     else:
-        every = gemm_shapes()
         if shapes == "all":
             chosen = every
-        elif shapes in ("squares", "llm"):
-            chosen = [s for s in every if (s.b_layout == "kn") == (shapes == "squares")]
+        elif shapes in groups:
+            chosen = groups[shapes]
         else:
             wanted = [w.strip() for w in shapes.split(",")]
             chosen = [s for s in every if s.label in wanted]
@@ -244,17 +261,89 @@ def bench_command(
                 raise KforgeError(f"unknown shape in {shapes!r} (shapes: {', '.join(s.label for s in every)})")
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as progress:
             task = progress.add_task("bench", total=None)
-            records = run_gemm_bench(chosen, time_budget=time_budget, results=results,
-                                     command=shlex.join(["kforge", *sys.argv[1:]]),
-                                     on_step=lambda label: progress.update(task, description=label))
+            records = run_bench(make_jobs(chosen), time_budget=time_budget, results=results,
+                                command=shlex.join(["kforge", *sys.argv[1:]]),
+                                on_step=lambda text: progress.update(task, description=text))
     if not records:
         raise KforgeError(f"no records in {results}")
-    rows = bench_rows(records)
+    rows = bench_rows(records, bench.BASELINE, label)
     device_name = records[0]["device"]["name"]
-    title = f"GEMM bf16 on {device_name}: ours and Triton vs cuBLAS (same run)"
-    out.print(bench_view(rows, title=title, results_path=None if replot else str(results)))
-    save_bench_chart(rows, chart, title=title)
+    results_path = None if replot else str(results)
+    if family == BenchFamily.gemm:
+        from kforge.views import bench_view
+
+        title = f"GEMM bf16 on {device_name}: ours and Triton vs cuBLAS (same run)"
+        out.print(bench_view(rows, title=title, baseline=bench.BASELINE, results_path=results_path))
+        save_bench_chart(rows, chart, title=title, baseline=bench.BASELINE)
+    else:
+        from kforge.views import attention_bench_view
+
+        title = f"attention forward bf16 on {device_name}: vs SDPA flash (same run)"
+        out.print(attention_bench_view(rows, title=title, records=records, results_path=results_path))
+        bench.save_attention_chart(rows, chart, title=title, records=records)
     err.print(f"chart saved to {chart}", style="dim")
+
+
+trace_app = typer.Typer(no_args_is_help=True, help="Step through an algorithm and print every intermediate.")
+app.add_typer(trace_app, name="trace")
+
+
+@trace_app.command("online-softmax", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def trace_online_softmax_command(ctx: typer.Context) -> None:
+    """The online softmax tile by tile: tile max, running max m, rescale exp(m_old - m_new),
+    running denominator l, then the check against the softmax of all scores at once.
+
+    Usage: kforge trace online-softmax --tiles "1,3" "2,5" [--values ["10,20,30,40"]]
+    Each tile is a comma list of scores. --values adds one value per score (default 1, 2,
+    ...) and the running attention output.
+    """
+    from kforge.kernels.attention.online_softmax import trace_online_softmax
+    from kforge.views import online_softmax_view
+
+    tiles, values = parse_trace_args(ctx.args)
+    try:
+        trace = trace_online_softmax(tiles, values)
+    except ValueError as exc:
+        raise KforgeError(str(exc)) from None
+    out.print(online_softmax_view(trace))
+    if not trace.agrees():
+        raise typer.Exit(1)
+
+
+def parse_trace_args(tokens: list[str]) -> tuple[list[list[float]], list[float] | None]:
+    """`--tiles A B ...` (each a comma list of numbers) and `--values [LIST]` into numbers.
+    Parsed by hand because --tiles takes any number of tiles and --values an optional list."""
+    tiles: list[str] = []
+    values: str | None = None
+    current = None
+    for token in tokens:
+        if token in ("--tiles", "--values"):
+            current = token
+            if token == "--values":
+                values = "auto"
+        elif token.startswith("--"):
+            raise KforgeError(f"unknown option {token} (options: --tiles, --values)")
+        elif current == "--tiles":
+            tiles.append(token)
+        elif current == "--values" and values == "auto":
+            values, current = token, None
+        else:
+            raise KforgeError(f"unexpected {token!r}: tiles follow --tiles, values follow --values")
+    if not tiles:
+        raise KforgeError('give the tiles: --tiles "1,3" "2,5"')
+
+    def numbers(text: str, what: str) -> list[float]:
+        try:
+            return [float(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise KforgeError(f"{what} {text!r} is not a comma list of numbers") from None
+
+    parsed = [numbers(t, "tile") for t in tiles]
+    if any(not t for t in parsed):
+        raise KforgeError("a tile is empty")
+    if values == "auto":
+        return parsed, [float(i + 1) for i in range(sum(len(t) for t in parsed))]
+    return parsed, None if values is None else numbers(values, "--values")
 
 
 @app.command("resources")

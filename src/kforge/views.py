@@ -212,27 +212,98 @@ def ladder_view(rows, *, title: str, library: str, results_path: str | None) -> 
     return Group(*parts)
 
 
-def bench_view(rows, *, title: str, results_path: str | None) -> Group:
-    """One row per shape: TFLOP/s of each method and of cuBLAS, each method's speedup over cuBLAS."""
+def bench_view(rows, *, title: str, baseline: str, results_path: str | None) -> Group:
+    """One row per shape: TFLOP/s of each method and of the baseline, each method's speedup over it."""
     from kforge.bench import geomean
 
-    methods = sorted({m for r in rows for m in r.vs_cublas})
+    methods = sorted({m for r in rows for m in r.vs_baseline})
     table = Table(title=title, title_justify="left")
     table.add_column("shape")
-    for column in [*(f"{m} TFLOP/s" for m in methods), "cuBLAS TFLOP/s", *(f"{m} / cuBLAS" for m in methods)]:
+    for column in [*(f"{m} TFLOP/s" for m in methods), f"{baseline} TFLOP/s", *(f"{m} / {baseline}" for m in methods)]:
         table.add_column(column, justify="right")
     for r in rows:
         cells = [_num(r.tflops.get(m), "{:,.0f}") if r.status.get(m) in ("passed", "slower") else
                  Text(r.status.get(m, "-"), style="red") for m in methods]
-        table.add_row(r.shape, *cells, _num(r.tflops.get("cuBLAS"), "{:,.0f}"),
-                      *(_num(r.vs_cublas.get(m), "{:.3f}x") for m in methods))
-    means = [geomean([r.vs_cublas.get(m) for r in rows]) for m in methods]
+        table.add_row(r.shape, *cells, _num(r.tflops.get(baseline), "{:,.0f}"),
+                      *(_num(r.vs_baseline.get(m), "{:.3f}x") for m in methods))
+    means = [geomean([r.vs_baseline.get(m) for r in rows]) for m in methods]
     table.add_row(Text("geometric mean", style="bold"), *([""] * (len(methods) + 1)),
                   *(_num(v, "{:.3f}x") for v in means))
     parts = [table]
     if results_path:
         parts.append(Text(f"records appended to {results_path}", style="dim"))
     return Group(*parts)
+
+
+def attention_bench_view(rows, *, title: str, records: list[dict], results_path: str | None) -> Group:
+    """One line per (shape, method), the baseline first: TFLOP/s, % of the bf16 peak (data
+    sheet and measured), speedup over SDPA flash, and the HBM bytes the method must move."""
+    from kforge.bench.attention import BASELINE, hbm_bytes
+
+    ceilings = (records[0].get("roofline") or {}).get("ceilings") or {}
+    datasheet = (ceilings.get("datasheet") or {}).get("tflops", {}).get("bf16") or 989.4  # H100 SXM dense bf16
+    measured = (ceilings.get("matmul_tflops") or {}).get("bf16")
+    table = Table(title=title, title_justify="left")
+    for column in ("shape", "method", "TFLOP/s", f"% of {datasheet:g} (sheet)", "% of measured mm",
+                   f"vs {BASELINE}", "HBM must move", "status"):
+        table.add_column(column, justify="left" if column in ("shape", "method", "status") else "right")
+    for r in rows:
+        methods = [BASELINE, *sorted(r.vs_baseline, key=lambda m: (m != "ours", m))]
+        for i, m in enumerate(methods):
+            tf = r.tflops.get(m)
+            status = "baseline" if m == BASELINE else r.status.get(m, "-")
+            ok = status in ("passed", "slower", "baseline")
+            table.add_row(r.shape if i == 0 else "", m, _num(tf if ok else None, "{:,.0f}"),
+                          _num(100 * tf / datasheet if ok and tf else None, "{:.1f}%"),
+                          _num(100 * tf / measured if ok and tf and measured else None, "{:.1f}%"),
+                          "1.000x" if m == BASELINE else _num(r.vs_baseline.get(m) if ok else None, "{:.3f}x"),
+                          f"{hbm_bytes(m, r.sizes) / 1e9:,.2f} GB" if r.sizes else "-",
+                          Text(status, style=None if ok else "red"),
+                          style="bold" if m == "ours" else None, end_section=i == len(methods) - 1)
+    parts = [table, Text("TFLOP/s count 4*B*H*N^2*D, half when causal; HBM must move: Q, K, V read and O written "
+                         "once, plus naive's N x N scores and probabilities written and read", style="dim")]
+    if results_path:
+        parts.append(Text(f"records appended to {results_path}", style="dim"))
+    return Group(*parts)
+
+
+def online_softmax_view(trace) -> Group:
+    """One row per tile (the state after it), the arithmetic of each step, then the check
+    against the softmax of the whole row at once."""
+    with_values = trace.output is not None
+    table = Table(title="online softmax, tile by tile", title_justify="left")
+    for column in ("tile", "scores", "tile max", "m", "rescale", "l"):
+        table.add_column(column, justify="right")
+    if with_values:
+        table.add_column("acc", justify="right")
+        table.add_column("output", justify="right")
+    lines = []
+    for i, step in enumerate(trace.steps, 1):
+        m_old = "-inf" if step.m_old == float("-inf") else f"{step.m_old:g}"
+        row = [str(i), ", ".join(f"{s:g}" for s in step.tile), f"{step.tile_max:g}", f"{step.m_new:g}",
+               f"{step.rescale:.6g}", f"{step.l_new:.6g}"]
+        if with_values:
+            row += [f"{step.acc:.6g}", f"{step.output:.6g}"]
+        table.add_row(*row)
+        terms = " + ".join(f"exp({s:g} - {step.m_new:g})" for s in step.tile)
+        lines.append(f"tile {i}: m = max({m_old}, {step.tile_max:g}) = {step.m_new:g}; "
+                     f"rescale = exp({m_old} - {step.m_new:g}) = {step.rescale:.6g}; "
+                     f"l = {step.l_old:.6g} * {step.rescale:.6g} + [{terms} = {step.tile_sum:.6g}] = {step.l_new:.6g}")
+    last = trace.steps[-1]
+    lines += [
+        f"after {len(trace.steps)} tiles: m = {last.m_new:g}, l = {last.l_new:.6g}",
+        "online       exp(s - m) / l: " + ", ".join(f"{p:.6f}" for p in trace.online),
+        "all at once      softmax(s): " + ", ".join(f"{p:.6f}" for p in trace.direct),
+    ]
+    if with_values:
+        lines.append(f"output (acc / l): online {trace.output:.6f}, all at once sum softmax(s) * v = "
+                     f"{trace.direct_output:.6f}")
+    verdict = Text(f"max |online - all at once| = {trace.max_error:.2e}: ", style="bold")
+    verdict.append("agree" if trace.agrees() else "DISAGREE", style="green" if trace.agrees() else "red")
+    caption = Text("m: running max; rescale: exp(m_old - m_new), what the earlier terms are multiplied by; "
+                   "l: running denominator sum exp(s - m)" + ("; acc: running sum exp(s - m) * v" if with_values
+                                                               else ""), style="dim")
+    return Group(table, caption, *[Text(line) for line in lines], verdict)
 
 
 # --- RESULTS.md: the records under benchmarks/results as Markdown tables -----------------
@@ -255,6 +326,8 @@ def results_markdown(root: Path) -> str:
             records = read_records(jsonl)
             if records and jsonl.stem.startswith("ladder-"):
                 lines += _ladder_markdown(jsonl.stem, records)
+            elif records and jsonl.stem in ("bench-gemm", "bench-attention"):
+                lines += _bench_markdown(jsonl.stem, records)
             elif records:
                 lines += _records_markdown(jsonl.stem, records)
     return "\n".join(lines).rstrip() + "\n"
@@ -301,6 +374,30 @@ def _records_markdown(bench: str, records: list[dict]) -> list[str]:
         if r.get("command") and r["command"] not in commands:
             commands.append(r["command"])
     versions = records[-1].get("versions", {})
+    out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
+    if commands:
+        out += ["Commands:", "", "```", *commands, "```", ""]
+    return out
+
+
+def _bench_markdown(bench: str, records: list[dict]) -> list[str]:
+    """A `kforge bench` file: one line per (shape, method) with the baseline's rate beside it."""
+    from kforge.bench import bench_rows
+
+    if bench == "bench-gemm":
+        from kforge.bench.gemm import BASELINE, gemm_label as label
+    else:
+        from kforge.bench.attention import BASELINE, attention_label as label
+    out = [f"### {bench}", "", f"| shape | method | TFLOP/s | {BASELINE} TFLOP/s | vs {BASELINE} | status |",
+           "|---|---|---:|---:|---:|---|"]
+    for row in bench_rows(records, BASELINE, label):
+        for method in sorted(row.vs_baseline, key=lambda m: (m != "ours", m)):
+            ok = row.status[method] in ("passed", "slower")
+            out.append(f"| {row.shape} | {method} | {_num(row.tflops.get(method) if ok else None, '{:,.0f}')} | "
+                       f"{_num(row.tflops.get(BASELINE), '{:,.0f}')} | "
+                       f"{_num(row.vs_baseline.get(method) if ok else None, '{:.3f}x')} | {row.status[method]} |")
+    versions = records[-1].get("versions", {})
+    commands = sorted({r["command"] for r in records if r.get("command")})
     out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
     if commands:
         out += ["Commands:", "", "```", *commands, "```", ""]

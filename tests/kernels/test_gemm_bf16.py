@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from kforge.bench import bench_rows, gemm_shapes, geomean
+from kforge.bench import bench_rows, geomean
+from kforge.bench.gemm import gemm_label, gemm_shapes
 from kforge.kernels import gemm_bf16
 from kforge.kernels.gemm_bf16 import RUNGS, LaunchError, gemm, rung
 from kforge.kernels.gemm_bf16 import triton_matmul
@@ -118,9 +119,10 @@ def test_bench_covers_squares_and_llama_projections_and_summarises_ratios():
                 "size": "M=16,N=4096,K=4096"}, "roofline": {"flops": 2e12},
                 "gate2": {"stats": {"candidate": {"median_ms": ms}, "reference": {"median_ms": ref_ms}}}}
 
-    rows = bench_rows([record("ours", 4.0, 2.0), record("triton", 1.0, 2.0, "passed"), record("ours", 2.0, 3.0)])
+    rows = bench_rows([record("ours", 4.0, 2.0), record("triton", 1.0, 2.0, "passed"), record("ours", 2.0, 3.0)],
+                      "cuBLAS", gemm_label)
     assert len(rows) == 1 and rows[0].shape == "linear M=16 N=4096 K=4096"
-    assert rows[0].vs_cublas == {"ours": 1.5, "triton": 2.0}  # the latest record of each method wins
+    assert rows[0].vs_baseline == {"ours": 1.5, "triton": 2.0}  # the latest record of each method wins
     assert rows[0].tflops["ours"] == pytest.approx(1000.0) and rows[0].tflops["cuBLAS"] == pytest.approx(1000.0)
     assert geomean([1.5, 2.0, None]) == pytest.approx(math.sqrt(3.0))
 
