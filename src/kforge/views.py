@@ -238,7 +238,7 @@ def bench_view(rows, *, title: str, baseline: str, results_path: str | None) -> 
 def attention_bench_view(rows, *, title: str, records: list[dict], results_path: str | None) -> Group:
     """One line per (shape, method), the baseline first: TFLOP/s, % of the bf16 peak (data
     sheet and measured), speedup over SDPA flash, and the HBM bytes the method must move."""
-    from kforge.bench.attention import BASELINE, hbm_bytes
+    from kforge.bench.attention import BASELINE, PUBLISHED, hbm_bytes
 
     ceilings = (records[0].get("roofline") or {}).get("ceilings") or {}
     datasheet = (ceilings.get("datasheet") or {}).get("tflops", {}).get("bf16") or 989.4  # H100 SXM dense bf16
@@ -262,6 +262,13 @@ def attention_bench_view(rows, *, title: str, records: list[dict], results_path:
                           style="bold" if m == "ours" else None, end_section=i == len(methods) - 1)
     parts = [table, Text("TFLOP/s count 4*B*H*N^2*D, half when causal; HBM must move: Q, K, V read and O written "
                          "once, plus naive's N x N scores and probabilities written and read", style="dim")]
+    for name, (full, causal) in PUBLISHED.items():
+        line = f"published for scale, {name}, H100 bf16 hd 128, N 4k-16k: ~{full} TFLOP/s non-causal, ~{causal} causal"
+        ours = {(r.sizes.get("CAUSAL"), r.sizes.get("N")): r.tflops.get("ours") for r in rows
+                if r.sizes.get("D") == 128 and r.status.get("ours") in ("passed", "slower")}
+        here = [(f"ours at N=4096: {100 * ours[(c, 4096)] / ref:.0f}% of it {mode}")
+                for c, ref, mode in ((0, full, "non-causal"), (1, causal, "causal")) if ours.get((c, 4096))]
+        parts.append(Text(line + ("; " + ", ".join(here) if here else ""), style="dim"))
     if results_path:
         parts.append(Text(f"records appended to {results_path}", style="dim"))
     return Group(*parts)

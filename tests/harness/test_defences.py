@@ -28,6 +28,7 @@ def isolated(cpu, cpu_ceilings):
     ("cache_by_shape", "add", "incorrect", {"poison"}),
     # 2. work moved to a host thread the timer cannot see
     ("background_thread", "row_sums", "rejected", {"host_thread"}),
+    ("slow_background_thread", "row_sums", "rejected", {"host_thread"}),  # still writing during gate 1
     # a thread started at import races the checks: whichever sees its late output first wins
     ("worker_thread", "row_sums", None, None),
     # 3. lazy outputs: a tensor subclass

@@ -216,6 +216,7 @@ def test_bench_rows_and_views_report_against_sdpa_flash(tmp_path):
     console.print(attention_bench_view(rows, title="t", records=records, results_path=None))
     text = console.export_text()
     assert "1.500x" in text and "500" in text and "incorrect" in text and "17.72 GB" in text
+    assert "FlashAttention-3 paper" in text and "ours at N=4096: 78% of it non-causal" in text
     assert save_attention_chart(rows, tmp_path / "a.png", title="t", records=records).stat().st_size > 10_000
 
 

@@ -21,6 +21,9 @@ BASELINE = "sdpa-flash"
 SEQUENCES = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
 TOKENS, MODEL_WIDTH = 32768, 2048
+# Published H100 bf16 forward rates at hd 128 for scale (ANCHORS.md; TFLOP/s at N = 4k-16k,
+# read off the FlashAttention-3 paper's charts): (non-causal, causal).
+PUBLISHED = {"FlashAttention-3 paper": (640, 580)}
 NAIVE_MAX_SCORES = 2**32  # B*H*N^2 entries: 8.6 GB a bf16 buffer (N = 8192 at D = 128)
 
 

@@ -159,13 +159,18 @@ class _Run:
 
         stage("gate1")
         seeds = [derive_seed(self.seed, "trial", i) for i in range(trials)]
-        gate1 = check_correctness(problem, reference, candidate, candidate_model, seeds, dev,
-                                  probe_seed=derive_seed(self.seed, "probe"))
+        watch = ThreadWatch(candidate.path, threads_before)
+        with watch:
+            gate1 = check_correctness(problem, reference, candidate, candidate_model, seeds, dev,
+                                      probe_seed=derive_seed(self.seed, "probe"))
         integrity.check()
         if not gate1.passed:
-            fired = GATE1_FAILURE_DEFENCE.get(gate1.failure)
-            return self.record("incorrect", f"gate 1 failed: {gate1.reason}", gate1=gate1.to_dict(),
-                               defences=[fired] if fired else [])
+            fired = [GATE1_FAILURE_DEFENCE[gate1.failure]] if gate1.failure in GATE1_FAILURE_DEFENCE else []
+            if watch.started:  # a thread it started was still writing the output: name the cause first
+                return self.record("rejected", f"the candidate started {watch.started} thread(s) while it was "
+                                   f"checked, and gate 1 failed: {gate1.reason}", gate1=gate1.to_dict(),
+                                   defences=["host_thread", *fired])
+            return self.record("incorrect", f"gate 1 failed: {gate1.reason}", gate1=gate1.to_dict(), defences=fired)
 
         stage("gate2")
         run = self._time_both(problem, reference, candidate, candidate_model, timing, threads_before)
