@@ -215,13 +215,9 @@ def ladder_rows(records: Sequence[EvalRecord | dict], dtype: str, peak: str = "d
 
 def save_chart(rows: Sequence[LadderRow], path: Path, *, title: str, library: str) -> Path:
     """A bar per rung: GFLOP/s, with the library's rate as a line and % of it on each bar."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise KforgeError("the chart needs matplotlib, which is not installed here",
-                          "The records are saved: redraw them where it is, with --replot.") from None
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    from kforge.views import pyplot, save_figure
+
+    plt = pyplot()
 
     timed = [r for r in rows if r.gflops]
     if not timed:
@@ -243,8 +239,4 @@ def save_chart(rows: Sequence[LadderRow], path: Path, *, title: str, library: st
     for label in ax.get_xticklabels():
         label.set_horizontalalignment("right")
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -28,6 +28,31 @@ VERDICT_STYLE = {
 }
 
 
+def pyplot():
+    """matplotlib's pyplot drawing to files only, or a clear error where it is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        from kforge.errors import KforgeError
+
+        raise KforgeError("the chart needs matplotlib, which is not installed here",
+                          "The records are saved: redraw them where it is, with --replot.") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def fmt_ms(ms: float | None) -> str:
     if ms is None:
         return "-"

@@ -224,7 +224,7 @@ def test_bench_rows_and_views_report_against_sdpa_flash(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_flash_forward_on_the_gpu_matches_float64(head_dim, causal, dtype):
     for shape in [(2, 8, 2, 1000, 1000, head_dim), (1, 4, 4, 77, 300, head_dim), (1, 4, 1, 513, 129, head_dim)]:

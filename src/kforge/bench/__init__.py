@@ -102,12 +102,9 @@ def geomean(values: Sequence[float]) -> float | None:
 
 def save_bench_chart(rows: Sequence[BenchRow], path: Path, *, title: str, baseline: str) -> Path:
     """Bars of speedup over the baseline per shape, one colour per method; 1.0 marked."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise KforgeError("the chart needs matplotlib, which is not installed here") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from kforge.views import pyplot, save_figure
+
+    plt = pyplot()
 
     methods = sorted({m for r in rows for m in r.vs_baseline})
     if not methods:
@@ -124,8 +121,4 @@ def save_bench_chart(rows: Sequence[BenchRow], path: Path, *, title: str, baseli
     ax.set_title(title, fontsize=11)
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -152,15 +152,9 @@ def hbm_bytes(method: str, sizes: dict[str, int]) -> int:
 def save_attention_chart(rows, path: Path, *, title: str, records: Sequence[dict]) -> Path:
     """TFLOP/s against sequence length, as the FlashAttention papers draw it: one panel per
     (head dim, causal), one line per method, the measured bf16 matmul roof dashed."""
-    from kforge.errors import KforgeError
+    from kforge.views import pyplot, save_figure
 
-    try:
-        import matplotlib
-    except ImportError:
-        raise KforgeError("the chart needs matplotlib, which is not installed here") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = sorted({(r.sizes["D"], r.sizes["CAUSAL"]) for r in rows})
     methods = [BASELINE, *sorted({m for r in rows for m in r.vs_baseline})]
     roof = ((records[0].get("roofline") or {}).get("ceilings") or {}).get("matmul_tflops", {}).get("bf16")
@@ -184,8 +178,4 @@ def save_attention_chart(rows, path: Path, *, title: str, records: Sequence[dict
     axes[0][0].set_ylabel("TFLOP/s (median, L2 flushed)")
     axes[0][-1].legend(fontsize=8)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
