@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from kforge.runtime.cuda import CudaKernel, LaunchError, integer_defines, tensor_map
+from kforge.kernels import RungSource
+from kforge.runtime.cuda import CudaKernel, LaunchError, tensor_map
 
 HERE = Path(__file__).parent
 B_LAYOUTS = ("kn", "nk")
@@ -45,23 +46,11 @@ def _persistent_bytes(p: Mapping[str, int]) -> int:  # the stages, one epilogue 
 
 
 @dataclass(frozen=True)
-class Rung:
-    number: int
-    name: str
+class Rung(RungSource):
+    directory = HERE
     threads: Callable[[Mapping[str, int]], int]
     shared_bytes: Callable[[Mapping[str, int]], int]  # SHARED_BYTES of the source, from its parameters
     persistent: bool = False  # one CTA (cluster) per SM walking the tiles; stores C through a tensor map
-
-    @property
-    def source(self) -> Path:
-        return HERE / f"{self.number:02d}_{self.name}.cu"
-
-    @property
-    def label(self) -> str:
-        return f"{self.number:02d}_{self.name}"
-
-    def parameters(self, defines: Mapping[str, int] | None = None) -> dict[str, int]:
-        return {**integer_defines(self.source), **(defines or {})}
 
 
 RUNGS: tuple[Rung, ...] = (

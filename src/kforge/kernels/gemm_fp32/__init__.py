@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kforge.runtime.cuda import CudaKernel, LaunchError, integer_defines
+from kforge.kernels import RungSource
+from kforge.runtime.cuda import CudaKernel, LaunchError
 
 HERE = Path(__file__).parent
 
@@ -33,24 +34,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @dataclass(frozen=True)
-class Rung:
-    number: int
-    name: str  # the file's stem without its number: "naive", "coalesced", ...
+class Rung(RungSource):
+    directory = HERE
     block: Callable[[Mapping[str, int]], tuple[int, int]]  # from the source's parameters
     grid: Callable[[Mapping[str, int], int, int], tuple[int, int]]  # parameters, M, N
     shared_bytes: Callable[[Mapping[str, int]], int] = lambda p: 0  # dynamic shared memory per block
-
-    @property
-    def source(self) -> Path:
-        return HERE / f"{self.number:02d}_{self.name}.cu"
-
-    @property
-    def label(self) -> str:
-        return f"{self.number:02d}_{self.name}"
-
-    def parameters(self, defines: Mapping[str, int] | None = None) -> dict[str, int]:
-        """The tile parameters the kernel compiles with: its defaults, then `defines`."""
-        return {**integer_defines(self.source), **(defines or {})}
 
 
 def _square(p):  # one thread per element, TILE x TILE threads
