@@ -3,6 +3,7 @@
 # On the device machine: bash scripts/gpu_check.sh   (writes under $OUT, or ./gpu-out)
 # PARTS picks what runs (default: all): any of  tests examples ladder sweep ladder-bf16 sweep-bf16 bench-gemm
 #   tests-attention sweep-attention bench-attention   ("tests" already includes tests-attention)
+#   profile-gemm (ncu of the GEMMs at 4096^3; not in the default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
@@ -51,4 +52,12 @@ if [[ $parts == *" sweep-attention "* ]]; then
 fi
 if [[ $parts == *" bench-attention "* ]]; then
   python3 -m kforge bench attention --results "$out/bench-attention.jsonl" 2>&1 | tee "$out/bench-attention.txt"
+fi
+if [[ $parts == *" profile-gemm "* ]]; then
+  ncu --clock-control none --profile-from-start off --set full -f -o "$out/gemm-4096" \
+    python3 scripts/profile_gemm.py 2>&1 | tail -5 | tee "$out/profile-gemm.log"
+  ncu -i "$out/gemm-4096.ncu-rep" --page details --print-units base --csv > "$out/profile-gemm.csv" 2>&1
+  ncu -i "$out/gemm-4096.ncu-rep" --page details \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
+    --section WarpStateStats --section Occupancy --section LaunchStats 2>&1 | tee "$out/profile-gemm.txt" | tail -60
 fi

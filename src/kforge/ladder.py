@@ -44,8 +44,8 @@ class Ladder:
         if self.dtype == "fp32":
             from kforge.kernels import gemm_fp32
 
-            base = gemm_fp32.rung(8)
-            return [(sweep_label(d), rung_candidate(base, d)) for d in gemm_fp32.SWEEP]
+            return [(sweep_label(number, d), rung_candidate(gemm_fp32.rung(number), d))
+                    for number, d in gemm_fp32.SWEEP]
         from kforge.kernels import gemm_bf16
 
         candidates = [rung_candidate(gemm_bf16.rung(number), d) for number, d in gemm_bf16.SWEEP]
@@ -68,7 +68,7 @@ def _bf16_steps() -> list[tuple[str, Candidate]]:
     """The best fp32 rung (on bf16 data, converted), every tensor-core rung, and Triton."""
     from kforge.kernels import gemm_bf16, gemm_fp32
 
-    best_fp32 = gemm_fp32.rung(9)
+    best_fp32 = gemm_fp32.BEST
     steps = [("fp32_" + best_fp32.label, source_candidate("fp32_" + best_fp32.label, gemm_bf16.Fp32RungOnBf16,
                                                    [best_fp32.source]))]
     steps += [(step.label, rung_candidate(step)) for step in gemm_bf16.RUNGS]
@@ -113,15 +113,17 @@ def rung_candidate(step, defines: Mapping[str, int] | None = None) -> Candidate:
     if defines is None:
         name = step.label
     else:
-        name = sweep_label(defines) if fp32 else f"{step.label} " + (
+        name = sweep_label(step.number, defines) if fp32 else f"{step.label} " + (
             " ".join(f"{k}={v}" for k, v in defines.items()) or "defaults")
     return source_candidate(name, lambda: model(step, defines=defines), [step.source], defines)
 
 
-def sweep_label(defines: Mapping[str, int]) -> str:
+def sweep_label(number: int, defines: Mapping[str, int]) -> str:
+    """An fp32 sweep point by rung and shape: "r9 128x256x16 warp 64x32/2 thread 4x4 n512 mb1 g1 s3"."""
     d = defines
-    return (f"{d['BM']}x{d['BN']}x{d['BK']} warp {d['WM']}x{d['WN']}/{d['WNITER']} thread {d['TM']}x{d['TN']} "
-            f"n{d['NUM_THREADS']} mb{d['MIN_BLOCKS']} g{d['GROUP_M']}")
+    stages = f" s{d['STAGES']}" if "STAGES" in d else ""
+    return (f"r{number} {d['BM']}x{d['BN']}x{d['BK']} warp {d['WM']}x{d['WN']}/{d['WNITER']} thread {d['TM']}x{d['TN']} "
+            f"n{d['NUM_THREADS']} mb{d['MIN_BLOCKS']} g{d['GROUP_M']}{stages}")
 
 
 
