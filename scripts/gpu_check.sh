@@ -57,6 +57,9 @@ if [[ $parts == *" profile-gemm "* ]]; then
   ncu --clock-control none --profile-from-start off --set full -f -o "$out/gemm-4096" \
     python3 scripts/profile_gemm.py 2>&1 | tail -5 | tee "$out/profile-gemm.log"
   ncu -i "$out/gemm-4096.ncu-rep" --page details --print-units base --csv > "$out/profile-gemm.csv" 2>&1
+  # Why warps wait: cycles per issued instruction spent in each stall reason, per kernel
+  ncu -i "$out/gemm-4096.ncu-rep" --page raw --csv \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" > "$out/profile-gemm-stalls.csv" 2>&1
   ncu -i "$out/gemm-4096.ncu-rep" --page details \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
     --section WarpStateStats --section Occupancy --section LaunchStats 2>&1 | tee "$out/profile-gemm.txt" | tail -60

@@ -61,7 +61,7 @@ def test_replot_redraws_the_committed_h100_ladder_without_a_gpu(tmp_path):
     shutil.copy(H100_LADDER, tmp_path / "ladder.jsonl")
     done = kforge("ladder", "gemm", "--replot", "--results", "ladder.jsonl", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "09_tuned" in done.stdout and "% of cuBLAS SGEMM" in done.stdout
+    assert "10_tuned" in done.stdout and "% of cuBLAS SGEMM" in done.stdout
     assert (tmp_path / "ladder.png").is_file()
 
 

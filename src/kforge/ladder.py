@@ -119,9 +119,9 @@ def rung_candidate(step, defines: Mapping[str, int] | None = None) -> Candidate:
 
 
 def sweep_label(number: int, defines: Mapping[str, int]) -> str:
-    """An fp32 sweep point by rung and shape: "r9 128x256x16 warp 64x32/2 thread 4x4 n512 mb1 g1 s3"."""
+    """An fp32 sweep point by rung and shape: "r9 128x256x16 warp 64x32/2 thread 4x4 n512 mb1 g1 s3 [pad4]"."""
     d = defines
-    stages = f" s{d['STAGES']}" if "STAGES" in d else ""
+    stages = (f" s{d['STAGES']}" if "STAGES" in d else "") + (f" pad{d['APAD']}" if "APAD" in d else "")
     return (f"r{number} {d['BM']}x{d['BN']}x{d['BK']} warp {d['WM']}x{d['WN']}/{d['WNITER']} thread {d['TM']}x{d['TN']} "
             f"n{d['NUM_THREADS']} mb{d['MIN_BLOCKS']} g{d['GROUP_M']}{stages}")
 

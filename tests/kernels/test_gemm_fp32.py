@@ -23,15 +23,19 @@ def test_every_source_file_is_a_rung_numbered_in_order_and_says_what_it_changed(
         assert re.search(r"Predicted", r.source.read_text()), f"{r.source.name} predicts nothing"
 
 
-def test_every_sweep_point_compiles_for_sm90a_and_the_async_rung_never_spills():
-    # Rung 9 has no staging registers: a spill there means a sweep shape is too big for its
-    # register cap, which would be timed as a slow kernel instead of being fixed.
+def test_every_sweep_point_compiles_for_sm90a_within_its_register_cap():
     for number, defines in SWEEP:
         found = resources(compile_cuda(rung(number).source, arch="sm_90a", defines=defines))["sgemm"]
         assert found.registers <= 65536 // (defines["NUM_THREADS"] * defines["MIN_BLOCKS"]), (number, defines)
-        if number >= 9:
-            assert found.spill_stores == found.spill_loads == 0, (number, defines, found)
     assert {number for number, _ in SWEEP} == {8, 9}
+
+
+def test_the_async_rungs_do_not_spill():
+    # Rung 9 has no staging registers; a spill in what ships would be timed as a slow kernel
+    # instead of being fixed (sweep points may spill: the sweep shows what that costs).
+    for number in (9, 10):
+        found = resources(compile_cuda(rung(number).source, arch="sm_90a"))["sgemm"]
+        assert found.spill_stores == found.spill_loads == 0, (number, found)
 
 
 def test_rungs_are_found_by_number_name_or_label():

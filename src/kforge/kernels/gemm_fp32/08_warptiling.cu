@@ -4,7 +4,7 @@
 // What changed: in rung 7 the thread layout was fixed by the block shape; here the warp's
 // footprint is a parameter, so a warp reads a compact strip of As and Bs (fewer distinct
 // shared addresses per load, all float4s consecutive across lanes: conflict-free), its
-// loads reuse better in registers, and the tile shapes become knobs for rung 9's sweep.
+// loads reuse better in registers, and the tile shapes become knobs for rung 10's sweep.
 // Also new: the fragments are double-buffered in registers, and a tile's last k-step runs
 // after the barrier that publishes the next tile, with the next tile's first fragments
 // loading beneath it: the barrier no longer drains the pipeline (CUTLASS's SIMT main loop

@@ -5,12 +5,17 @@
 // tile as cp.async and moves on; the copies land while the math runs, STAGES - 1 tiles
 // ahead, and a wait on the oldest group plus one barrier per tile publishes them. A is
 // still stored transposed, so its copies are 4 bytes each (a copy can land anywhere,
-// which is what makes the transposition free); B's are 16 bytes. Out-of-bounds elements
-// are copied with a source size of 0, which zero-fills them: the tails need no branches
-// in the loop.
+// which is what makes the transposition free); B's are 16 bytes. Tiles wholly inside the
+// matrices take a fast path: fixed per-thread pointers advanced by one tile, no checks.
+// Only edge tiles check each element (out-of-bounds ones are copied with a source size
+// of 0, which zero-fills them).
 // Why: it frees the staging registers (the 512-thread shape spilled 12 bytes at its
-// 128-register cap) and deepens the prefetch, hiding global latency behind more math.
-// Predicted: a few % over rung 8 at its best shape, most of it from the deeper pipeline.
+// 128-register cap) and deepens the prefetch. The fast path came from a profile (ncu,
+// H100, 4096^3): rung 8 issues 2.53 G warp instructions where cuBLAS issues 2.43 G for
+// the same 2.15 G FFMAs; its checked loads cost ~120 instructions per warp per tile and
+// 14 branches, and a first version of this rung, checking every copy, issued 2.66 G and
+// ran 7% slower than rung 8.
+// Predicted: a few % over rung 8 at its best shape, from fewer instructions.
 #include "common.cuh"
 
 #ifndef BM
@@ -74,11 +79,17 @@ static_assert((WSUBM / TM) * (WSUBN / TN) == 32, "a warp's 32 lanes tile one sub
 static_assert(TM % 4 == 0 && TN % 4 == 0 && A_STRIDE % 4 == 0 && B_STRIDE % 4 == 0, "fragments load as float4s");
 static_assert(A_COPIES * NUM_THREADS == BM * BK && B_COPIES * NUM_THREADS * 4 == BK * BN,
               "tiles copy in whole rounds");
+static_assert(NUM_THREADS % BK == 0 && NUM_THREADS % (BN / 4) == 0,
+              "each thread copies the same column of every round: its pointers advance by fixed steps");
 
 // cp.async: copy `bytes` from global to shared, of which the first `valid` come from
 // `src` and the rest are zeros (valid = 0 reads nothing). .ca for 4 bytes (the only size
 // .cg lacks), .cg (L2 only: each element is read once per block) for 16.
-__device__ __forceinline__ void copy4(float* dst, const float* src, bool valid) {
+__device__ __forceinline__ void copy4(float* dst, const float* src) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src));
+}
+__device__ __forceinline__ void copy4_or_zero(float* dst, const float* src, bool valid) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 4 : 0));
 }
@@ -113,35 +124,53 @@ sgemm(const float* __restrict__ A, const float* __restrict__ B, float* __restric
     auto a_tile = [&](int stage) { return smem + stage * STAGE_FLOATS; };              // [k][m]
     auto b_tile = [&](int stage) { return smem + stage * STAGE_FLOATS + BK * A_STRIDE; };  // [k][n]
 
-    // Issue the copies of the tile starting at k0 into `stage`, as one commit group. An
-    // empty group past the last tile keeps the count of groups in flight uniform.
+    // Issue the copies of tile kt into its stage, as one commit group. An empty group past
+    // the last tile keeps the count of groups in flight uniform. Tiles are issued in order,
+    // so the fast path's pointers simply advance one tile per call.
     const int tiles = CEIL_DIV(K, BK);
+    const bool interior = row0 + BM <= M && col0 + BN <= N && b_aligned;  // every k-tile but a K tail
+    constexpr int A_ROWS_PER_ROUND = NUM_THREADS / BK, B_ROWS_PER_ROUND = NUM_THREADS / (BN / 4);
+    const int a_r = t / BK, a_c = t % BK;                  // this thread's first A element of a tile
+    const int b_r = t / (BN / 4), b_c = (t % (BN / 4)) * 4;  // and first B float4
+    const float* a_next = A + (size_t)(row0 + a_r) * K + a_c;
+    const float* b_next = B + (size_t)b_r * N + col0 + b_c;
+    const size_t a_round = (size_t)A_ROWS_PER_ROUND * K, b_round = (size_t)B_ROWS_PER_ROUND * N;
     auto copy_tile = [&](int kt) {
         if (kt < tiles) {
             const int k0 = kt * BK;
             float* as = a_tile(kt % STAGES);
             float* bs = b_tile(kt % STAGES);
+            if (interior && k0 + BK <= K) {
 #pragma unroll
-            for (int i = 0; i < A_COPIES; ++i) {  // consecutive threads read consecutive k of a row
-                const int e = t + i * NUM_THREADS, r = e / BK, c = e % BK;
-                const bool inside = row0 + r < M && k0 + c < K;
-                copy4(&as[c * A_STRIDE + r], inside ? A + (size_t)(row0 + r) * K + k0 + c : A, inside);
-            }
+                for (int i = 0; i < A_COPIES; ++i)
+                    copy4(&as[a_c * A_STRIDE + a_r + i * A_ROWS_PER_ROUND], a_next + i * a_round);
 #pragma unroll
-            for (int i = 0; i < B_COPIES; ++i) {
-                const int e = t + i * NUM_THREADS, r = e / (BN / 4), c = (e % (BN / 4)) * 4;
-                const int gr = k0 + r, gc = col0 + c;
-                float* dst = &bs[r * B_STRIDE + c];
-                if (b_aligned && gr < K && gc + 3 < N) {
-                    copy16(dst, B + (size_t)gr * N + gc);
-                } else {  // a tail or a misaligned B: element by element
+                for (int i = 0; i < B_COPIES; ++i)
+                    copy16(&bs[(b_r + i * B_ROWS_PER_ROUND) * B_STRIDE + b_c], b_next + i * b_round);
+            } else {
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const bool inside = gr < K && gc + j < N;
-                        copy4(dst + j, inside ? B + (size_t)gr * N + gc + j : B, inside);
+                for (int i = 0; i < A_COPIES; ++i) {
+                    const int r = a_r + i * A_ROWS_PER_ROUND;
+                    const bool inside = row0 + r < M && k0 + a_c < K;
+                    copy4_or_zero(&as[a_c * A_STRIDE + r], inside ? A + (size_t)(row0 + r) * K + k0 + a_c : A, inside);
+                }
+#pragma unroll
+                for (int i = 0; i < B_COPIES; ++i) {
+                    const int r = b_r + i * B_ROWS_PER_ROUND, gr = k0 + r, gc = col0 + b_c;
+                    float* dst = &bs[r * B_STRIDE + b_c];
+                    if (b_aligned && gr < K && gc + 3 < N) {
+                        copy16(dst, B + (size_t)gr * N + gc);
+                    } else {  // a tail or a misaligned B: element by element
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            const bool inside = gr < K && gc + j < N;
+                            copy4_or_zero(dst + j, inside ? B + (size_t)gr * N + gc + j : B, inside);
+                        }
                     }
                 }
             }
+            a_next += BK;
+            b_next += (size_t)BK * N;
         }
         commit_copies();
     };
