@@ -29,7 +29,20 @@ def test_every_rung_file_is_registered_and_says_what_it_changed():
 
 
 @pytest.mark.parametrize("b_layout", gemm_bf16.B_LAYOUTS)
-@pytest.mark.parametrize("step", RUNGS, ids=lambda r: r.label)
+def test_the_ampere_rung_assembles_to_mma_sync_ldmatrix_and_cp_async_without_spills(b_layout):
+    cubin = compile_cuda(rung(1).source, arch="sm_90a", defines={"B_KMAJOR": int(b_layout == "nk")})
+    code = sass(cubin)
+    assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16\b", code)) == 128, "32 mma.sync per k16 step, 4 steps a tile"
+    assert "LDGSTS" in code and "LDSM.16.M88.4" in code
+    assert ("LDSM.16.MT88.4" in code) == (b_layout == "kn"), "a K x N B is transposed by ldmatrix.trans"
+    assert "HGMMA" not in code and "UTMALDG" not in code
+    used = resources(cubin)["gemm"]
+    assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0)
+    assert used.registers <= 65536 // (2 * 128), "two 128-thread blocks must fit an SM's registers"
+
+
+@pytest.mark.parametrize("b_layout", gemm_bf16.B_LAYOUTS)
+@pytest.mark.parametrize("step", [r for r in RUNGS if not r.pointers], ids=lambda r: r.label)
 def test_hopper_rungs_assemble_to_wgmma_and_tma_without_spills(step, b_layout):
     cubin = compile_cuda(step.source, arch="sm_90a", defines={"B_KMAJOR": int(b_layout == "nk")})
     code = sass(cubin)

@@ -51,9 +51,12 @@ class Rung(RungSource):
     threads: Callable[[Mapping[str, int]], int]
     shared_bytes: Callable[[Mapping[str, int]], int]  # SHARED_BYTES of the source, from its parameters
     persistent: bool = False  # one CTA (cluster) per SM walking the tiles; stores C through a tensor map
+    pointers: bool = False  # takes A, B and C as plain pointers (no TMA): rung 1
 
 
 RUNGS: tuple[Rung, ...] = (
+    Rung(1, "mma_sync", lambda p: (p["BM"] // 64) * (p["BN"] // 64) * 32,
+         lambda p: p["STAGES"] * (p["BM"] + p["BN"]) * p["BK"] * 2, pointers=True),
     Rung(2, "tma_wgmma", lambda p: 128 * p["BM"] // 64, lambda p: p["STAGES"] * _stage_bytes(p) + 1024 + p["STAGES"] * 8),
     Rung(3, "warp_specialized", lambda p: 128 * (p["BM"] // 64 + 1),
          lambda p: p["STAGES"] * _stage_bytes(p) + 1024 + 2 * p["STAGES"] * 8),
@@ -149,10 +152,13 @@ def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layo
     if plan is None:
         plan = _PLANS[plan_key] = _plan(step, b_layout, defines, m, n, index)
     launch, p, cluster = plan
+    sizes = (np.int32(m), np.int32(n), np.int32(k))
+    if step.pointers:
+        launch(a.data_ptr(), b.data_ptr(), c.data_ptr(), *sizes)
+        return c
     a_map = tensor_map(a, (p["BM"], p["BK"]))
     # K-major B: one box of BN rows (a cluster's CTAs each load their share); N-major: 64-column boxes.
     b_map = tensor_map(b, (p["BN"] // cluster, p["BK"]) if b_layout == "nk" else (p["BK"], 64))
-    sizes = (np.int32(m), np.int32(n), np.int32(k))
     if step.persistent:
         launch(a_map, b_map, tensor_map(c, (64, 64)), *sizes)
     else:
