@@ -222,6 +222,52 @@ def test_a_reference_that_works_in_place_is_matched_not_flagged(write, cpu, cpu_
     assert "reference changes its inputs in place" in record.reason
 
 
+def test_in_place_results_are_held_to_the_tolerance_and_other_inputs_to_their_bits(write, cpu, cpu_ceilings,
+                                                                                   fast_timing):
+    # RoPE's shape: the reference rotates x in place and only reads `scale`. A kernel whose
+    # in-place result differs in the last bits (one rounding instead of two) is right; one
+    # that also writes to an input the reference only reads is not.
+    problem = write("inplace2.py", """
+        import torch
+        from torch import nn
+        class Model(nn.Module):
+            def forward(self, x, scale):
+                x.mul_(scale)
+                return x
+        def get_inputs():
+            return [torch.randn(64), torch.rand(64) + 0.5]
+        def get_init_inputs():
+            return []
+    """)
+    close = write("close.py", """
+        import torch
+        class ModelNew(torch.nn.Module):
+            def forward(self, x, scale):
+                x.copy_((x.double() * scale.double() * (1 + 1e-6)).float())
+                return x
+    """)
+    far = write("far.py", """
+        import torch
+        class ModelNew(torch.nn.Module):
+            def forward(self, x, scale):
+                x.mul_(scale * 1.01)
+                return x
+    """)
+    writes_scale = write("writes_scale.py", """
+        import torch
+        class ModelNew(torch.nn.Module):
+            def forward(self, x, scale):
+                x.mul_(scale)
+                scale.add_(1e-7)
+                return x
+    """)
+    assert evaluate(problem, close, device=cpu, ceilings=cpu_ceilings, timing=fast_timing).gate1["passed"]
+    record = evaluate(problem, far, device=cpu, ceilings=cpu_ceilings, timing=fast_timing)
+    assert record.gate1["failure"] == "mutated_inputs" and "leaves them differently" in record.reason
+    record = evaluate(problem, writes_scale, device=cpu, ceilings=cpu_ceilings, timing=fast_timing)
+    assert record.gate1["failure"] == "mutated_inputs" and "beyond those the reference changes" in record.reason
+
+
 def test_compare_outputs_reports_errors_against_float64(problem_path):
     problem = load_problem(problem_path("add"))
     ref = torch.tensor([1.0, -2.0, 4.0, 0.0])
