@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The one GPU call: tests marked gpu, the roofline, the examples, the GEMM ladder, the attention bench.
+# The one GPU call: tests marked gpu, the roofline, the examples, the GEMM ladder, the attention and serving benches.
 # On the device machine: bash scripts/gpu_check.sh   (writes under $OUT, or ./gpu-out)
 # PARTS picks what runs (default: all): any of  tests examples ladder sweep ladder-bf16 sweep-bf16 bench-gemm
 #   tests-attention sweep-attention bench-attention   ("tests" already includes tests-attention)
+#   tests-serving bench-serving   (SERVING_SHAPES picks the serving groups, default all)
 #   profile-gemm (ncu of the GEMMs at 4096^3; not in the default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
 export KFORGE_CACHE_DIR="${KFORGE_CACHE_DIR:-/tmp/kforge-cache}"
-parts=" ${PARTS:-tests examples ladder sweep ladder-bf16 sweep-bf16 bench-gemm bench-attention} "
+parts=" ${PARTS:-tests examples ladder sweep ladder-bf16 sweep-bf16 bench-gemm bench-attention bench-serving} "
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$out/nvidia-smi.csv"
@@ -52,6 +53,15 @@ if [[ $parts == *" sweep-attention "* ]]; then
 fi
 if [[ $parts == *" bench-attention "* ]]; then
   python3 -m kforge bench attention --results "$out/bench-attention.jsonl" 2>&1 | tee "$out/bench-attention.txt"
+fi
+if [[ $parts == *" tests-serving "* ]]; then
+  python3 -m pytest -q -m gpu tests/kernels/test_norms.py tests/kernels/test_swiglu.py tests/kernels/test_rope.py \
+    tests/kernels/test_gemv.py tests/kernels/test_norm_qkv.py tests/kernels/test_paged_attention.py \
+    tests/kernels/test_flash_varlen.py tests/bench 2>&1 | tail -30 | tee "$out/pytest-gpu-serving.log"
+fi
+if [[ $parts == *" bench-serving "* ]]; then
+  python3 -m kforge bench serving --shapes "${SERVING_SHAPES:-all}" --results "$out/bench-serving.jsonl" 2>&1 \
+    | tee "$out/bench-serving.txt"
 fi
 if [[ $parts == *" profile-gemm "* ]]; then
   ncu --clock-control none --profile-from-start off --set full -f -o "$out/gemm-4096" \

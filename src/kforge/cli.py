@@ -208,12 +208,14 @@ def ladder_command(
 class BenchFamily(str, Enum):
     gemm = "gemm"
     attention = "attention"
+    serving = "serving"
 
 
 @app.command("bench")
 def bench_command(
-    family: BenchFamily = typer.Argument(..., help="What to benchmark: gemm or attention."),
-    shapes: str = typer.Option("all", help="all; for gemm also squares or llm; or a comma list of shape labels "
+    family: BenchFamily = typer.Argument(..., help="What to benchmark: gemm, attention or serving."),
+    shapes: str = typer.Option("all", help="all; for gemm also squares or llm; for serving an op group (norms, "
+                               "swiglu, rope, gemv, paged, norm_qkv, varlen); or a comma list of shape labels "
                                "(gemm: 1024^3, '8B qkv M=16', ...; attention: 'full N=4096 D=128', "
                                "'causal N=512 D=64', ...)."),
     time_budget: float = typer.Option(1.0, min=0.1, help="Seconds of timed rounds per evaluation at most."),
@@ -226,7 +228,7 @@ def bench_command(
 ) -> None:
     """Our kernels against the best library over a sweep of shapes, in one run: GEMM vs
     cuBLAS (ours and Triton), attention vs SDPA's flash backend (ours, naive, cuDNN,
-    efficient)."""
+    efficient), serving kernels vs eager PyTorch and torch.compile (GB/s, % of copy)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from kforge.bench import bench_rows, run_bench, save_bench_chart
@@ -239,6 +241,10 @@ def bench_command(
         every = bench.gemm_shapes()
         groups = {"squares": [s for s in every if s.b_layout == "kn"], "llm": [s for s in every if s.b_layout == "nk"]}
         make_jobs, label = bench.gemm_jobs, bench.gemm_label
+    elif family == BenchFamily.serving:
+        from kforge.bench import serving as bench
+        every = bench.serving_shapes()
+        groups, make_jobs, label = bench.serving_groups(every), bench.serving_jobs, bench.serving_label
     else:
         from kforge.bench import attention as bench
         every, groups = bench.attention_shapes(), {}
@@ -252,8 +258,8 @@ def bench_command(
     else:
         if shapes == "all":
             chosen = every
-        elif shapes in groups:
-            chosen = groups[shapes]
+        elif all(w.strip() in groups for w in shapes.split(",")):
+            chosen = [s for w in shapes.split(",") for s in groups[w.strip()]]
         else:
             wanted = [w.strip() for w in shapes.split(",")]
             chosen = [s for s in every if s.label in wanted]
@@ -266,9 +272,18 @@ def bench_command(
                                 on_step=lambda text: progress.update(task, description=text))
     if not records:
         raise KforgeError(f"no records in {results}")
-    rows = bench_rows(records, bench.BASELINE, label)
     device_name = records[0]["device"]["name"]
     results_path = None if replot else str(results)
+    if family == BenchFamily.serving:
+        from kforge.views import serving_bench_view
+
+        rows = bench.serving_rows(records)
+        title = f"serving kernels bf16 on {device_name}: ours vs eager PyTorch and torch.compile (same run)"
+        out.print(serving_bench_view(rows, title=title, results_path=results_path))
+        bench.save_serving_chart(rows, chart, title=title)
+        err.print(f"chart saved to {chart}", style="dim")
+        return
+    rows = bench_rows(records, bench.BASELINE, label)
     if family == BenchFamily.gemm:
         from kforge.views import bench_view
 

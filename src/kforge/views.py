@@ -299,6 +299,38 @@ def attention_bench_view(rows, *, title: str, records: list[dict], results_path:
     return Group(*parts)
 
 
+def serving_bench_view(rows, *, title: str, results_path: str | None) -> Group:
+    """One line per shape: bytes, our time (harness and device), GB/s and TFLOP/s on device
+    time, % of the roof (copy bandwidth, or the matmul rate for compute-bound shapes),
+    eager and compiled times and our speedup over each."""
+    table = Table(title=title, title_justify="left")
+    for column in ("shape", "must move", "ours", "ours device", "GB/s", "TFLOP/s", "% of roof", "eager", "vs eager",
+                   "compiled", "vs compiled", "status"):
+        table.add_column(column, justify="left" if column in ("shape", "status") else "right")
+    for r in rows:
+        ok = {r.status.get(b, "-") for b in ("eager", "compile")} <= {"passed", "slower"}
+        roof = r.pct_of_roof(r.ours_device_ms) if ok else None
+        table.add_row(r.shape, f"{r.bytes / 1e6:,.1f} MB" if r.bytes else "-", fmt_ms(r.ours_ms),
+                      fmt_ms(r.ours_device_ms), _num(r.gbps(r.ours_device_ms) if ok else None, "{:,.0f}"),
+                      _num(r.tflops(r.ours_device_ms) if ok else None, "{:,.1f}"),
+                      "-" if roof is None else f"{roof:.1f}% {'mm' if r.bound == 'compute' else 'copy'}",
+                      fmt_ms(r.baseline_ms.get("eager")), _num(r.speedup.get("eager") if ok else None, "{:.2f}x"),
+                      fmt_ms(r.baseline_ms.get("compile")), _num(r.speedup.get("compile") if ok else None, "{:.2f}x"),
+                      Text(" / ".join(r.status.get(b, "-") for b in ("eager", "compile")), style=None if ok else "red"))
+    copy = next((r.copy_gbps for r in rows if r.copy_gbps), None)
+    mm = next((r.compute_tflops for r in rows if r.compute_tflops), None)
+    note = ("ours / eager / compiled: median per call of max(device, host) time, as an eager caller waits; ours "
+            "device: the device time alone (what a CUDA graph replays), from which GB/s, TFLOP/s and the % of the "
+            "roof are computed: the measured copy bandwidth" + (f" ({copy:,.0f} GB/s)" if copy else "") +
+            ", or for compute-bound shapes (mm) the measured matmul rate" + (f" ({mm:,.0f} TFLOP/s)" if mm else "") +
+            "; must move: the problem's minimum HBM bytes; speedups from the same evaluation; status vs eager / "
+            "vs compiled")
+    parts = [table, Text(note, style="dim")]
+    if results_path:
+        parts.append(Text(f"records appended to {results_path}", style="dim"))
+    return Group(*parts)
+
+
 def online_softmax_view(trace) -> Group:
     """One row per tile (the state after it), the arithmetic of each step, then the check
     against the softmax of the whole row at once."""

@@ -24,6 +24,7 @@ class BenchJob:
     label: str  # what the progress line shows
     problem: object  # a loaded kforge.harness.problem.Problem, sized
     candidate: Candidate
+    baseline: str = "eager"  # what the problem's reference runs as: eager, or torch.compile of it
 
 
 def run_bench(jobs: Iterable[BenchJob], *, time_budget: float, results: Path | None, command: str | None = None,
@@ -43,7 +44,7 @@ def run_bench(jobs: Iterable[BenchJob], *, time_budget: float, results: Path | N
     for job in jobs:
         if on_step:
             on_step(job.label)
-        record = evaluate(job.problem, job.candidate, device=device, ceilings=ceilings,
+        record = evaluate(job.problem, job.candidate, baseline=job.baseline, device=device, ceilings=ceilings,
                           timing=TimingConfig(budget_s=time_budget), command=command)
         if results is not None:
             append_record(results, record)

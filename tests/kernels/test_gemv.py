@@ -1,0 +1,187 @@
+"""Decode GEMV: the Triton kernel under the interpreter (fp16, fp32; batch 1..16 incl. 3 and
+13; K and N tails; the CUDA-core and the tensor-core path) against float64, every output
+written (allocations poisoned with NaN), bad inputs refused; kforge.ops.gemv as a custom
+op; which tiles the autotuner may pick. On a GPU: bf16 at the Llama-3-8B widths, every
+tile of the autotuner's list, fp16 and fp32. (The kernel's sm_90 machine code is checked
+in test_norm_qkv.py, with the fused GEMM's, in one compiler process.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+from kforge.kernels.serving.gemv import (CONFIGS, CUDA_CORE_ROWS, MAX_BATCH, _configs_for, check_gemv_inputs, gemv,
+                                         gemv_min_bytes, gemv_reference)
+from kforge.ops.gemv import gemv as gemv_op
+
+CUDA_CORE = {"BLOCK_N": 64, "BLOCK_K": 256, "USE_DOT": False}
+TENSOR_CORE = {"BLOCK_N": 64, "BLOCK_K": 256, "USE_DOT": True}
+# fp16: the output is rounded once (2^-11 relative), fp32 sums of ~1000 products: ~1e-7
+# fp32: sums of up to K = 4096 products in another order than float64's round off like a
+# random walk, ~sqrt(K) * 2^-24 of the output's RMS: measured up to 9.3e-6 on the H100
+# (2026-11-21), so 2e-5.
+TOLERANCE = {torch.float16: 1e-3, torch.float32: 2e-5, torch.bfloat16: 8e-3}
+
+
+def _inputs(batch, n, k, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    return x.to(dtype=dtype, device=device), w.to(dtype=dtype, device=device)
+
+
+def assert_matches(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """Elementwise within the dtype's rounding of each value, plus the same fraction of the
+    output's RMS for the summation error (which does not shrink with the value)."""
+    tol = TOLERANCE[dtype]
+    scale = expected.pow(2).mean().sqrt().item()
+    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * scale)
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """Fresh floating-point tensors start as NaN: an output element the kernel forgets shows."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+# --- the kernel under the interpreter -------------------------------------------------------
+
+# (batch, N, K): tails in N (777 = 12 * 64 + 9) and K (1000 = 3 * 256 + 232), K below one
+# step (100), K a whole number of steps (512), batch 1..16 padded to 1, 4, 16, 16
+SHAPES = [(1, 777, 1000), (3, 70, 100), (13, 65, 512), (16, 40, 1000)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("config", [CUDA_CORE, TENSOR_CORE], ids=["cuda-core", "tensor-core"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gemv_matches_float64_under_the_interpreter(shape, config, dtype, nan_outputs):
+    x, w = _inputs(*shape, dtype)
+    y = gemv(x, w, config=config)
+    assert y.shape == (shape[0], shape[1]) and y.dtype == dtype
+    assert_matches(y, x.double() @ w.double().T, dtype)
+
+
+def test_gemv_takes_a_vector_and_strided_rows(nan_outputs):
+    x, w = _inputs(5, 48, 300, torch.float32)
+    y = gemv(x[2], w, config=CUDA_CORE)
+    assert y.shape == (48,)
+    assert_matches(y, x[2].double() @ w.double().T, torch.float32)
+    # rows of wider buffers: x's and W's row strides differ, and neither is K
+    x, w = torch.randn(4, 400)[:, :300], torch.randn(48, 320)[:, 20:]
+    for config in (CUDA_CORE, TENSOR_CORE):
+        assert_matches(gemv(x, w, config=config), x.double() @ w.double().T, torch.float32)
+
+
+def test_gemv_of_empty_sizes():
+    x, w = _inputs(2, 8, 16, torch.float32)
+    assert gemv(x[:0], w).shape == (0, 8)
+    assert gemv(x, w[:0]).shape == (2, 0)
+    torch.testing.assert_close(gemv(x[:, :0], w[:, :0]), torch.zeros(2, 8))  # empty sums are 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda x, w: (x[None], w), "must be"),
+    (lambda x, w: (x, w.half()), "share one dtype"),
+    (lambda x, w: (x.int(), w.int()), "share one dtype"),
+    (lambda x, w: (x[:, :15], w), "K = 15"),
+    (lambda x, w: (torch.randn(MAX_BATCH + 1, 16), w), "at most 16 rows.*use a GEMM"),
+    (lambda x, w: (x, torch.randn(16, 8).T), "contiguous rows"),
+    (lambda x, w: (torch.randn(2, 32)[:, ::2], w), "contiguous rows"),
+])
+def test_gemv_refuses_what_it_cannot_take(bad, message):
+    x, w = _inputs(2, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match=message):
+        check_gemv_inputs(*bad(x, w))
+    with pytest.raises(ValueError, match=message):
+        gemv(*bad(x, w))
+
+
+def test_autotuner_gives_cuda_core_tiles_only_to_the_batches_their_registers_fit():
+    for block_b in (1, 2, 4, 8, 16):
+        kept = _configs_for(CONFIGS, {}, BLOCK_B=block_b)
+        cuda_core = [c for c in kept if not c.kwargs["USE_DOT"]]
+        assert all(block_b * c.kwargs["BLOCK_N"] == CUDA_CORE_ROWS for c in cuda_core)
+        assert bool(cuda_core) == (block_b <= 4)
+        assert sum(c.kwargs["USE_DOT"] for c in kept) == sum(c.kwargs["USE_DOT"] for c in CONFIGS)
+    for c in CONFIGS:  # CUDA-core tiles: one 16-byte vector of K per thread per row, no shuffle
+        assert c.kwargs["USE_DOT"] or c.kwargs["BLOCK_K"] == 256 * c.num_warps
+
+
+def test_reference_and_minimum_bytes():
+    x, w = _inputs(3, 10, 20, torch.float64)
+    torch.testing.assert_close(gemv_reference(x, w), torch.einsum("bk,nk->bn", x, w))
+    assert gemv_min_bytes(1, 4096, 4096) == (4096 * 4096 + 2 * 4096) * 2  # W, x, y in bf16
+    assert gemv_min_bytes(16, 6144, 4096, itemsize=4) == (6144 * 4096 + 16 * 4096 + 16 * 6144) * 4
+
+
+# --- the custom op ---------------------------------------------------------------------------
+
+def test_op_falls_back_on_cpu_passes_opcheck_and_compiles():
+    x, w = _inputs(4, 24, 40, torch.float32)
+    torch.testing.assert_close(gemv_op(x, w), x @ w.T)
+    assert gemv_op(x[0], w).shape == (24,)
+    torch.library.opcheck(gemv_op, (x, w))
+    torch.library.opcheck(gemv_op, (x[0], w))
+    compiled = torch.compile(lambda a, b: gemv_op(a, b) * 2, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, w), 2 * (x @ w.T))
+
+
+def test_op_refuses_bad_shapes_and_large_batches_with_value_errors():
+    x, w = _inputs(4, 24, 40, torch.float32)
+    with pytest.raises(ValueError, match="K = 39"):
+        gemv_op(x[:, :39], w)
+    with pytest.raises(ValueError, match="at most 16 rows.*use a GEMM"):
+        gemv_op(torch.randn(17, 40), w)
+    with pytest.raises(ValueError, match="takes x"):
+        gemv_op(x[None], w)
+
+
+# --- on the GPU ------------------------------------------------------------------------------
+
+LLAMA3_8B = [(4096, 4096), (6144, 4096), (14336, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3, 16])
+@pytest.mark.parametrize("n, k", LLAMA3_8B, ids=str)
+def test_gemv_on_the_gpu_matches_float64_at_llama_widths(n, k, batch):
+    x, w = _inputs(batch, n, k, torch.bfloat16, "cuda")
+    # bf16 output: rounded once, 2^-9 relative; fp32 sums of 4096-14336 exact products
+    assert_matches(gemv(x, w), x.double() @ w.double().T, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2, 4, 13])
+def test_every_tile_the_autotuner_may_pick_is_correct_on_the_gpu(batch):
+    x, w = _inputs(batch, 777, 1000, torch.bfloat16, "cuda")  # tails in N and K, unaligned rows
+    x2, w2 = _inputs(batch, 1536, 2048, torch.bfloat16, "cuda")  # the unmasked, vectorized loop
+    for config in _configs_for(CONFIGS, {}, BLOCK_B=triton.next_power_of_2(batch)):
+        tiles = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+        assert_matches(gemv(x, w, config=tiles), x.double() @ w.double().T, torch.bfloat16)
+        assert_matches(gemv(x2, w2, config=tiles), x2.double() @ w2.double().T, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_gemv_on_the_gpu_in_fp16_and_fp32(dtype):
+    for batch in (1, 8):
+        x, w = _inputs(batch, 4096, 4096, dtype, "cuda")
+        assert_matches(gemv(x, w), x.double() @ w.double().T, dtype)
+
+
+@pytest.mark.gpu
+def test_op_on_the_gpu_runs_our_kernel_and_compiles_with_inductor():
+    from kforge.ops.gemv import ours_can_run
+
+    x, w = _inputs(4, 6144, 4096, torch.bfloat16, "cuda")
+    assert ours_can_run(x, w)
+    compiled = torch.compile(lambda a, b: gemv_op(a, b), fullgraph=True)
+    assert_matches(compiled(x, w), x.double() @ w.double().T, torch.bfloat16)
+    assert_matches(gemv_op(x[1], w), x[1].double() @ w.double().T, torch.bfloat16)
