@@ -392,6 +392,8 @@ def results_markdown(root: Path) -> str:
                 lines += _ladder_markdown(jsonl.stem, records)
             elif records and jsonl.stem in ("bench-gemm", "bench-attention"):
                 lines += _bench_markdown(jsonl.stem, records)
+            elif records and jsonl.stem == "bench-serving":
+                lines += _serving_markdown(records)
             elif records:
                 lines += _records_markdown(jsonl.stem, records)
     return "\n".join(lines).rstrip() + "\n"
@@ -462,6 +464,30 @@ def _bench_markdown(bench: str, records: list[dict]) -> list[str]:
                        f"{_num(row.vs_baseline.get(method) if ok else None, '{:.3f}x')} | {row.status[method]} |")
     versions = records[-1].get("versions", {})
     commands = sorted({r["command"] for r in records if r.get("command")})
+    out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
+    if commands:
+        out += ["Commands:", "", "```", *commands, "```", ""]
+    return out
+
+
+def _serving_markdown(records: list[dict]) -> list[str]:
+    """`kforge bench serving`: one line per shape, device-time rates, both baselines."""
+    from kforge.bench.serving import serving_rows
+
+    out = ["### bench-serving", "", "Rates from device time; % of roof against the measured copy bandwidth, or the "
+           "bf16 matmul rate where marked mm; speedups from the harness time (the longer of device and host per "
+           "call), each against eager and torch.compile in the same evaluation.", "",
+           "| shape | must move | ours (device) | GB/s | TFLOP/s | % of roof | vs eager | vs compiled | status |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in serving_rows(records):
+        roof = r.pct_of_roof(r.ours_device_ms)
+        out.append(f"| {r.shape} | {r.bytes / 1e6:,.1f} MB | {fmt_ms(r.ours_ms)} ({fmt_ms(r.ours_device_ms)}) | "
+                   f"{_num(r.gbps(r.ours_device_ms), '{:,.0f}')} | {_num(r.tflops(r.ours_device_ms), '{:,.1f}')} | "
+                   f"{'-' if roof is None else f'{roof:.1f}%' + (' mm' if r.bound == 'compute' else '')} | "
+                   f"{_num(r.speedup.get('eager'), '{:.2f}x')} | {_num(r.speedup.get('compile'), '{:.2f}x')} | "
+                   f"{' / '.join(r.status.get(b, '-') for b in ('eager', 'compile'))} |")
+    versions = records[-1].get("versions", {})
+    commands = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
     out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
     if commands:
         out += ["Commands:", "", "```", *commands, "```", ""]

@@ -92,3 +92,16 @@ def test_an_unknown_serving_group_is_one_line_and_exit_2(tmp_path):
     done = subprocess.run([sys.executable, "-m", "kforge", "bench", "serving", "--shapes", "norms,nope",
                            "--results", str(tmp_path / "x.jsonl")], capture_output=True, text=True)
     assert done.returncode != 0 and "unknown shape" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_results_markdown_gives_serving_its_own_table(tmp_path):
+    from kforge.views import results_markdown
+
+    device = tmp_path / "nvidia-h100"
+    device.mkdir()
+    rows = [_record("rope 16384 tok 32/8x128 interleaved", "eager", 0.133, 0.123, 2.5, 2.5, 344_064_000),
+            _record("rope 16384 tok 32/8x128 interleaved", "compile", 0.133, 0.123, 0.349, 0.349, 344_064_000)]
+    (device / "bench-serving.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = results_markdown(tmp_path)
+    line = next(x for x in text.splitlines() if x.startswith("| rope 16384 tok 32/8x128 interleaved"))
+    assert "133 us (123 us)" in line and "93.2%" in line and "18.80x" in line and "2.62x" in line
