@@ -71,3 +71,17 @@ def gpu_ceilings():
     from kforge.harness.roofline import measure_ceilings
 
     return measure_ceilings(current_device("cuda"))
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch):
+    """For the test's duration, torch.empty and torch.empty_like hand out floating-point
+    tensors filled with NaN (integer ones as they come): an output element a kernel forgets
+    to write shows instead of passing as leftover zeros or stale values."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: poison(empty(*args, **kwargs)))
+    monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: poison(empty_like(*args, **kwargs)))

@@ -7,13 +7,19 @@ issuing its work, or the device doing it. So each timed call is measured as
 
 How one call is measured on a GPU:
 
-    flush L2 (write a buffer 4x the L2 size)        -- no call finds its data cached
+    flush L2 (read a buffer 4x the L2 size)         -- no call finds its data cached
     sleep on the GPU for the "cover" time            -- the host can enqueue the whole call
     start.record()                                      before the device reaches it
     fn(next input set from the rotating pool)        -- fresh inputs every call; host time
     end_stream.record()                              -- when the current stream finished
     torch.cuda.synchronize()                         -- wait for EVERY stream on the device
     end_device.record(); end_device.synchronize()    -- when the whole device finished
+
+The flush reads rather than writes: a written buffer leaves L2 full of dirty lines, and
+the timed call would pay to write them back as its own reads evict them. On the H100
+(2026-11-21, `scripts/flush_study.py`) a 33.6 MB GEMV took 19.8 us after a writing flush
+and 15.4 us after a reading one, a 32 MiB copy 26.9 vs 21.0 us, a 256 MiB copy 3% apart:
+the smaller the call's data, the more of its time was the flush's.
 
 Device time is `end_stream - start`, plus any work that ended after the stream did (on
 other streams): `end_device - end_stream` beyond what the synchronize itself costs. That
@@ -356,8 +362,9 @@ class _CudaCallTimer:
         self.device = device.torch_device
         self.flush_bytes = 4 * (device.cache_bytes or 64 << 20) if flush_l2 else 0
         self.flush_buffer = (
-            torch.empty(self.flush_bytes // 4, dtype=torch.int32, device=self.device) if flush_l2 else None
+            torch.zeros(self.flush_bytes // 4, dtype=torch.int32, device=self.device) if flush_l2 else None
         )
+        self.flush_sink = torch.zeros((), dtype=torch.int64, device=self.device)
         self.start = torch.cuda.Event(enable_timing=True)
         self.end_stream = torch.cuda.Event(enable_timing=True)
         self.end_device = torch.cuda.Event(enable_timing=True)
@@ -387,8 +394,8 @@ class _CudaCallTimer:
         return host_ms
 
     def time_call(self, fn: TimedFn, inputs: InputSet) -> tuple[Clocks, object]:
-        if self.flush_buffer is not None:
-            self.flush_buffer.zero_()
+        if self.flush_buffer is not None:  # read it all: L2 is left holding clean lines only
+            torch.sum(self.flush_buffer, dim=0, dtype=torch.int64, out=self.flush_sink)
         if self.cover_cycles:
             torch.cuda._sleep(self.cover_cycles)
         self.start.record()
