@@ -1,0 +1,70 @@
+"""The decode GEMV's tiles at batch 1, one by one, on the GPU: which keeps HBM busiest?
+
+    PYTHONPATH=src python scripts/gemv_sweep.py
+
+For each weight shape, every tile below (the autotuner's CUDA-core and tensor-core lists,
+plus deeper pipelines) is checked against F.linear, then timed after a reading L2 flush
+(as the timing engine does), interleaved with cuBLAS, 200 rounds, medians of CUDA event
+times; prints us and % of a copy's bandwidth measured in the same run.
+"""
+
+import statistics
+
+import kforge  # noqa: F401  (before triton)
+import torch
+
+from kforge.kernels.serving.gemv import gemv
+
+L2 = torch.cuda.get_device_properties(0).L2_cache_size
+FLUSH = torch.zeros(L2, dtype=torch.int32, device="cuda")  # 4x L2 in bytes
+SINK = torch.zeros((), dtype=torch.int64, device="cuda")
+TILES = [dict(BLOCK_N=8, BLOCK_K=bk, USE_DOT=False, num_warps=w, num_stages=s)
+         for bk, w in ((256, 1), (512, 2), (1024, 4), (2048, 8)) for s in (1, 2, 3)]
+TILES += [dict(BLOCK_N=bn, BLOCK_K=bk, USE_DOT=True, num_warps=w, num_stages=s)
+          for bn, bk, w, s in ((16, 256, 4, 4), (16, 256, 4, 6), (16, 512, 4, 3), (16, 512, 4, 4), (32, 256, 4, 4),
+                               (16, 128, 2, 6), (16, 128, 2, 8), (64, 128, 4, 4), (32, 128, 4, 6))]
+
+
+def time_us(fns, rounds=200):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.sum(FLUSH, dim=0, dtype=torch.int64, out=SINK)
+            torch.cuda._sleep(1_000_000)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main():
+    src = torch.randn(2**28 // 4, device="cuda")
+    dst = torch.empty_like(src)
+    copy_gbps = 2 * src.numel() * 4 / time_us({"copy": lambda: dst.copy_(src)}, 50)["copy"] / 1e3
+    print(f"copy of 256 MiB: {copy_gbps:,.0f} GB/s")
+    for n, k in ((4096, 4096), (6144, 4096), (14336, 4096)):
+        x, w = torch.randn(1, k, device="cuda").bfloat16(), (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
+        want = torch.nn.functional.linear(x.float(), w.float())
+        fns = {"cuBLAS": lambda: torch.nn.functional.linear(x, w), "autotuned": lambda: gemv(x, w)}
+        for tile in TILES:
+            name = " ".join(f"{key}={value}" for key, value in tile.items())
+            try:
+                got = gemv(x, w, config=tile)
+            except Exception as error:  # a tile this shape or compiler refuses
+                print(f"  {name}: {type(error).__name__}")
+                continue
+            if not torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2):
+                print(f"  {name}: WRONG")
+                continue
+            fns[name] = lambda tile=tile: gemv(x, w, config=tile)
+        nbytes = (n * k + k + n) * 2
+        print(f"W {n} x {k} ({nbytes / 1e6:.1f} MB)")
+        for name, us in sorted(time_us(fns).items(), key=lambda item: item[1]):
+            print(f"  {us:7.1f} us  {100 * nbytes / us / 1e3 / copy_gbps:5.1f}% of copy  {name}")
+
+
+if __name__ == "__main__":
+    main()
