@@ -4,13 +4,14 @@ time, % of the copy ceiling, one row per shape from its two evaluations), the vi
 chart and the command line without a GPU."""
 
 import json
+import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from kforge.bench.serving import BASELINES, serving_groups, serving_jobs, serving_label, serving_rows, serving_shapes
+from kforge.bench.serving import (BASELINES, KERNELS, serving_groups, serving_jobs, serving_label, serving_rows,
+                                  serving_shapes)
 from kforge.harness.evaluate import evaluate
 from kforge.harness.problem import load_problem
 from kforge.ladder import source_candidate
@@ -29,7 +30,7 @@ def test_shapes_cover_every_kernel_of_the_issue_at_llama_sizes():
     assert {s.sizes.get("BATCH") for s in groups["gemv"]} == {1, 16}
     assert {s.sizes["M"] for s in groups["norm_qkv"]} == {1, 16, 4096}  # decode and prefill
     for shape in SHAPES:
-        assert shape.problem.is_file() and (Path(shape.problem).parents[1] / "../kernels" / shape.kernel).resolve().is_file()
+        assert shape.problem.is_file() and (KERNELS / shape.kernel).is_file()
 
 
 def test_every_shape_is_evaluated_against_eager_and_compiled():
@@ -49,7 +50,8 @@ def test_our_kernel_passes_gate_1_against_the_problems_eager_model(shape, cpu, c
 
 def _record(shape_label, baseline, ours_ms, ours_device_ms, ref_ms, ref_device_ms, bytes_, status="passed"):
     shape = next(s for s in SHAPES if s.label == shape_label)
-    return {"problem": {"name": shape.problem.stem, "size": load_problem(shape.problem, "full", shape.sizes).size}, "baseline": baseline, "status": status,
+    size = load_problem(shape.problem, "full", shape.sizes).size
+    return {"problem": {"name": shape.problem.stem, "size": size}, "baseline": baseline, "status": status,
             "device": {"name": "NVIDIA H100 80GB HBM3"},
             "gate2": {"speedup": ref_ms / ours_ms,
                       "stats": {"candidate": {"median_ms": ours_ms}, "reference": {"median_ms": ref_ms}},
@@ -67,7 +69,8 @@ def test_rows_compute_bandwidth_from_device_time_and_keep_both_baselines():
     assert serving_label(records[0]) == label
     paged, gemv = serving_rows(records)
     assert paged.shape == label and paged.bytes == 1_080_000_000
-    assert paged.ours_device_ms == pytest.approx(0.37) and paged.ours_ms == pytest.approx(0.39)  # median of the two runs
+    # our times: the medians over both evaluations' runs of our kernel
+    assert paged.ours_device_ms == pytest.approx(0.37) and paged.ours_ms == pytest.approx(0.39)
     assert paged.gbps(paged.ours_device_ms) == pytest.approx(1.08e9 / 0.37e-3 / 1e9)
     assert paged.pct_of_copy(paged.ours_device_ms) == pytest.approx(100 * 1.08e9 / 0.37e-3 / 1e9 / 3000)
     assert paged.speedup == {"eager": pytest.approx(6.5), "compile": pytest.approx(1.1 / 0.38)}
@@ -81,7 +84,7 @@ def test_replot_draws_the_table_and_chart_without_a_gpu(tmp_path):
             _record("swiglu 16384x14336", "compile", 0.50, 0.49, 0.52, 0.51, 1_409_286_144)]
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     done = subprocess.run([sys.executable, "-m", "kforge", "bench", "serving", "--replot", "--results", str(results)],
-                          capture_output=True, text=True, env={**__import__("os").environ, "COLUMNS": "200"})
+                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0, done.stderr
     assert "swiglu 16384x14336" in done.stdout and "2.40x" in done.stdout and "1.04x" in done.stdout
     assert "95.9%" in done.stdout  # 1.409 GB / 0.49 ms = 2,876 GB/s of 3,000
