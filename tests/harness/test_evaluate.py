@@ -59,6 +59,20 @@ def test_metadata_that_overstates_the_work_disables_the_floor_check_with_a_warni
     assert any("reference itself runs under the physical floor" in w for w in record.warnings)
 
 
+def test_a_reference_beating_the_measured_roof_warns_that_the_ceilings_look_low(problem_path, cpu, fast_timing):
+    # Measured ceilings far too low (copy at 1 KB/s), physics left alone (a high matmul rate):
+    # the record must say its % of roof is suspect, not fail the candidate.
+    low = Ceilings(device=cpu.name, kind="cpu", copy_gbps=1e-6, matmul_tflops={"fp32": 1e3}, measured_on="2026-11-21")
+    record = evaluate(problem_path("row_sums"), FIXTURES / "candidates" / "vectorized_row_sums.py", device=cpu,
+                      ceilings=low, timing=fast_timing, size="full")
+    assert record.status in ("passed", "slower") and "physical_floor" not in record.defences
+    assert any("beat the measured roof" in w and "2026-11-21" in w for w in record.warnings)
+    sane = Ceilings(device=cpu.name, kind="cpu", copy_gbps=1e6, matmul_tflops={"fp32": 1e3}, measured_on="x")
+    record = evaluate(problem_path("row_sums"), FIXTURES / "candidates" / "vectorized_row_sums.py", device=cpu,
+                      ceilings=sane, timing=fast_timing, size="full")
+    assert not any("beat the measured roof" in w for w in record.warnings)
+
+
 def test_a_cpu_run_defaults_to_the_tiny_size(run):
     record = run("row_sums", VECTORIZED_ROW_SUMS)
     assert record.problem["size"] == "tiny" and record.roofline["flops"] == 8 * 16

@@ -56,6 +56,7 @@ STATUS_OF_DEFENCE = {
     "harness_integrity": "rejected",
     "forbidden_op": "rejected",
 }
+CEILING_DOUBT = 0.9  # a reference faster than 1/0.9 of the measured roof casts doubt on the ceilings
 GATE1_FAILURE_DEFENCE = {"output_type": "plain_tensor", "mutated_inputs": "input_clones", "poison": "poison"}
 
 Stage = Callable[[str], None]
@@ -195,6 +196,14 @@ class _Run:
             self.defences.append("physical_floor")
             reason = (f"faster than the hardware allows: candidate {cand_ms:.4g} ms is under the "
                       f"physical floor of {floor:.4g} ms, so the timer was fooled")
+        elif roof.floor_ms is not None and ref_ms < CEILING_DOUBT * roof.floor_ms:
+            # Possible (the floor is a measured rate, not physics), but by this much it says the
+            # ceilings were measured low: a cold or throttled GPU, or one shared with other work.
+            self.warnings.append(
+                f"the reference beat the measured roof ({ref_ms:.4g} ms, floor {roof.floor_ms:.4g} ms): the "
+                f"ceilings measured on {ceilings.measured_on} look low for this device, and every % of roof "
+                "with them; `kforge roofline --remeasure`"
+            )
         if status == "passed" and speedup <= 1.0:
             status = "slower"
             reason = f"gate 2 failed: speedup {speedup:.3f}x over the {self.baseline} reference is not above 1"
