@@ -2,8 +2,11 @@
 (on any machine), the Triton kernel under the interpreter, kforge.ops.matmul as a custom
 op; on a GPU, every rung and both B layouts on odd shapes against a float64 reference."""
 
+import json
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -175,6 +178,39 @@ def test_sweep_variants_are_correct(number, defines):
         _assert_close(gemm(a, b, number, b_layout=b_layout, defines=defines), expected)
 
 
+_TRITON_SHARED_BYTES = """
+import json, os
+os.environ["TRITON_INTERPRET"] = "0"  # compile for sm_90, even on a machine with no GPU
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kforge.kernels.gemm_bf16 import triton_matmul
+
+fn, found = triton_matmul.matmul_persistent, []
+for c in triton_matmul.CONFIGS:
+    bm, bn, bk = (c.kwargs[key] for key in ("BM", "BN", "BK"))
+    types = {"a_desc": f"tensordesc<bf16[{bm},{bk}]>", "b_desc": f"tensordesc<bf16[{bk},{bn}]>",
+             "c_desc": f"tensordesc<bf16[{bm},{bn}]>", "M": "i32", "N": "i32", "K": "i32"}
+    source = ASTSource(fn=fn, signature={name: types.get(name, "constexpr") for name in fn.arg_names},
+                       constexprs=dict(c.kwargs, NUM_PROGRAMS=132, B_KMAJOR=0))
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": c.num_warps, "num_stages": c.num_stages})
+    found.append([dict(c.kwargs, num_stages=c.num_stages), compiled.metadata.shared])
+print(json.dumps(found))
+"""
+
+
+def test_every_triton_config_fits_the_shared_memory_of_an_h100():
+    # Compiled for sm_90 on any machine: a config over the limit would be skipped by the
+    # autotuner without a word, and fail when asked for by name.
+    done = subprocess.run([sys.executable, "-c", _TRITON_SHARED_BYTES], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(found) == len(triton_matmul.CONFIGS)
+    for config, shared in found:
+        assert 0 < shared <= 227 * 1024, (config, shared)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b_layout", ["kn", "nk"])
 def test_triton_kernel_on_the_gpu(b_layout):
@@ -182,6 +218,9 @@ def test_triton_kernel_on_the_gpu(b_layout):
     for m, n, k in [(67, 48, 72), (1000, 520, 1032)]:
         a, b, expected = _operands(m, n, k, b_layout)
         _assert_close(triton_matmul.matmul(a, b, b_layout=b_layout), expected)
+        for config in triton_matmul.CONFIGS:  # every tile the autotuner may pick, flattened loops included
+            tiles = dict(config.kwargs, num_stages=config.num_stages, num_warps=config.num_warps)
+            _assert_close(triton_matmul.matmul(a, b, b_layout=b_layout, config=tiles), expected)
 
 
 @pytest.mark.gpu

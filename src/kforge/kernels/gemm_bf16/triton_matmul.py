@@ -27,9 +27,12 @@ def _tile_coords(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def matmul_persistent(a_desc, b_desc, c_desc, M, N, K, NUM_PROGRAMS: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, B_KMAJOR: tl.constexpr):
+                      BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, B_KMAJOR: tl.constexpr,
+                      FLATTEN: tl.constexpr):
     tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS):
+    # FLATTEN: Triton pipelines the tile loop and the k loop as one, so the next tile's
+    # first loads are in flight during this tile's epilogue (the store of C).
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS, flatten=FLATTEN):
         tm, tn = _tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k in range(0, K, BK):  # out-of-bounds parts of a box load as zeros
@@ -49,19 +52,29 @@ def _set_block_shapes(nargs):  # the autotuner's pre-hook: the descriptors' boxe
     nargs["c_desc"].block_shape = [bm, bn]
 
 
+# Every config must fit the 227 KB a block may use (the stages, plus C's tile for the TMA
+# store): 128 x 256 with 4 stages needs 262 KB and was dropped (the autotuner had been
+# skipping it silently). tests/kernels/test_gemm_bf16.py compiles each for sm_90 to check.
 CONFIGS = [
-    triton.Config({"BM": bm, "BN": bn, "BK": 64, "GROUP_M": 8}, num_stages=s, num_warps=w, pre_hook=_set_block_shapes)
-    for bm, bn, s, w in [(128, 256, 3, 8), (128, 256, 4, 8), (128, 128, 4, 8), (128, 128, 5, 4), (64, 128, 5, 4),
-                         (64, 64, 6, 4)]
+    triton.Config({"BM": bm, "BN": bn, "BK": 64, "GROUP_M": 8, "FLATTEN": flat}, num_stages=s, num_warps=w,
+                  pre_hook=_set_block_shapes)
+    for bm, bn, s, w, flat in [(128, 256, 3, 8, False), (128, 256, 3, 8, True),
+                               (128, 128, 4, 8, False), (128, 128, 4, 8, True), (128, 128, 5, 4, False),
+                               (64, 128, 5, 4, False), (64, 64, 6, 4, False)]
 ]
 matmul_autotuned = triton.autotune(CONFIGS, key=["M", "N", "K", "B_KMAJOR"])(matmul_persistent)
+# Each shape's pick, once tuned. Later calls launch the kernel with it directly: the
+# autotuner's dispatch (key, lookup, pre-hook) costs host time on every call, and at
+# 4096^3 the Python launch was the longer half of a call (210 us of host for 185 us of
+# device, 2026-11-21), which the harness counts.
+_TUNED: dict[tuple, dict] = {}
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, *, b_layout: str = "kn", config: dict | None = None) -> torch.Tensor:
     """C = a @ b ("kn": b is K x N) or a @ b.T ("nk": b is N x K), 2-byte floats, fp32 accumulation.
 
-    `config` (BM, BN, BK, GROUP_M, num_stages, num_warps) skips the autotuner: the CPU
-    tests run one small config under the Triton interpreter.
+    `config` (BM, BN, BK, GROUP_M, FLATTEN, num_stages, num_warps) skips the autotuner: the
+    CPU tests run one small config under the Triton interpreter.
     """
     m, k = a.shape
     n = b.shape[1] if b_layout == "kn" else b.shape[0]
@@ -72,10 +85,17 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, b_layout: str = "kn", config: di
     c_desc = TensorDescriptor.from_tensor(c, dummy)
     programs = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
     kmajor = int(b_layout == "nk")
+    shape = (m, n, k, kmajor, a.dtype)
+    if config is None and shape in _TUNED:  # the autotuner's pick, without its per-call dispatch
+        config = _TUNED[shape]
     if config is None:
         matmul_autotuned[(programs,)](a_desc, b_desc, c_desc, m, n, k, NUM_PROGRAMS=programs, B_KMAJOR=kmajor)
+        if a.is_cuda:
+            best = matmul_autotuned.best_config
+            _TUNED[shape] = dict(best.kwargs, num_stages=best.num_stages, num_warps=best.num_warps)
     else:
         blocks = {key: config[key] for key in ("BM", "BN", "BK", "GROUP_M")}
+        blocks["FLATTEN"] = config.get("FLATTEN", False)
         _set_block_shapes({"a_desc": a_desc, "b_desc": b_desc, "c_desc": c_desc, "B_KMAJOR": kmajor, **blocks})
         tiles = triton.cdiv(m, blocks["BM"]) * triton.cdiv(n, blocks["BN"])
         grid = min(programs, tiles)
