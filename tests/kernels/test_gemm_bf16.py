@@ -189,10 +189,10 @@ from kforge.kernels.gemm_bf16 import triton_matmul
 fn, found = triton_matmul.matmul_persistent, []
 for c in triton_matmul.CONFIGS:
     bm, bn, bk = (c.kwargs[key] for key in ("BM", "BN", "BK"))
-    types = {"a_desc": f"tensordesc<bf16[{bm},{bk}]>", "b_desc": f"tensordesc<bf16[{bk},{bn}]>",
-             "c_desc": f"tensordesc<bf16[{bm},{bn}]>", "M": "i32", "N": "i32", "K": "i32"}
+    types = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"}
     source = ASTSource(fn=fn, signature={name: types.get(name, "constexpr") for name in fn.arg_names},
-                       constexprs=dict(c.kwargs, NUM_PROGRAMS=132, B_KMAJOR=0))
+                       constexprs=dict(c.kwargs, NUM_PROGRAMS=132, B_KMAJOR=0),
+                       attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": c.num_warps, "num_stages": c.num_stages})
     found.append([dict(c.kwargs, num_stages=c.num_stages), compiled.metadata.shared])
