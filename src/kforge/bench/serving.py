@@ -17,6 +17,7 @@ host-bound; both columns say so.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from statistics import median
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -253,17 +254,10 @@ def serving_rows(records: Sequence[dict]) -> list[ServingRow]:
                 ours.append(stats["candidate"]["median_ms"])
             if (profile.get("candidate") or {}).get("median_device_ms"):
                 ours_device.append(profile["candidate"]["median_device_ms"])
-        rows.append(ServingRow(shape, size, _median(ours), _median(ours_device), base, base_device, speedup, status,
+        rows.append(ServingRow(shape, size, median(ours) if ours else None,
+                               median(ours_device) if ours_device else None, base, base_device, speedup, status,
                                copy, flops, bound, compute))
     return rows
-
-
-def _median(values: Sequence[float]) -> float | None:
-    values = sorted(values)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def save_serving_chart(rows: Sequence[ServingRow], path: Path, *, title: str) -> Path:
