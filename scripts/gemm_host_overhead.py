@@ -1,81 +1,75 @@
-"""Where the host time of one bf16 GEMM call goes (rung 5 at 4096^3 on the GPU machine).
+"""Where the host time of one bf16 GEMM call goes, on the GPU machine.
 
-    PYTHONPATH=src python scripts/gemm_host_overhead.py
+    PYTHONPATH=src python scripts/gemm_host_overhead.py [SIZE ...]   (default 1024 4096)
 
-Prints microseconds of Python per call (a GPU sleep queued first, so the device never
-makes the host wait): our gemm() with cached tensor maps, torch.matmul, the launch alone,
-a tensor-map cache miss and its parts; then one evaluate() of rung 5 against cuBLAS with
-the harness's per-call profile (device vs host medians, host-bound share).
+Prints microseconds of Python per call with the GPU kept busy by a queued sleep (so the
+device never makes the host wait): our gemm() on rotating buffers (a new address every
+call, as the harness's fresh inputs give it), torch.matmul on the same, and the parts of
+ours (one tensor-map encode, the launch alone). Then, per size, one evaluate() of rung 4
+against cuBLAS with the harness's per-call profile (device vs host medians).
 """
 
+import sys
 import time
 
 import kforge  # noqa: F401  (before triton)
-import numpy as np
 import torch
-from cuda.core._tensor_map import TensorMapDataType, TensorMapSwizzle
-from cuda.core.utils import StridedMemoryView
 
 from kforge.harness.evaluate import evaluate
 from kforge.harness.problem import load_problem
 from kforge.harness.timing import TimingConfig
 from kforge.kernels import gemm_bf16
 from kforge.ladder import rung_candidate
-from kforge.runtime import cuda as runtime
-
-N = 4096
 
 
 def host_us(fn, calls=200):  # fewer calls than the launch queue holds: a full queue blocks the host
     torch.cuda.synchronize()
     torch.cuda._sleep(int(3e9))  # keeps the GPU busy: the loop below never waits on it
     start = time.perf_counter()
-    for _ in range(calls):
-        fn()
+    for i in range(calls):
+        fn(i)
     elapsed = (time.perf_counter() - start) / calls * 1e6
     torch.cuda.synchronize()
     return elapsed
 
 
-def main():
-    a, b = (torch.randn(N, N, device="cuda").bfloat16() for _ in range(2))
-    for _ in range(10):
-        gemm_bf16.gemm(a, b, 5), torch.matmul(a, b)
-    launch, p, _ = next(v for k, v in gemm_bf16._PLANS.items() if k[0] == 5)
-    c = torch.empty(N, N, dtype=torch.bfloat16, device="cuda")
-    maps = (runtime.tensor_map(a, (p["BM"], p["BK"])), runtime.tensor_map(b, (p["BK"], 64)),
-            runtime.tensor_map(c, (64, 64)))
-    sizes = (np.int32(N),) * 3
-    view = StridedMemoryView.from_cuda_array_interface(runtime._BareArray(a), stream_ptr=-1)
-
-    def miss():
-        runtime._TENSOR_MAPS.clear()
-        runtime.tensor_map(a, (128, 64))
-
+def parts(n: int) -> None:
+    pool = [[torch.randn(n, n, device="cuda").bfloat16() for _ in range(2)] for _ in range(4)]
+    for a, b in pool:
+        gemm_bf16.gemm(a, b, 4), torch.matmul(a, b)
+    plan = next(v for k, v in gemm_bf16._PLANS.items() if k[0] == 4 and k[3] == n)
+    a, b = pool[0]
+    c = torch.empty(n, n, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
     rows = {
-        "gemm(a, b, rung 5), tensor maps cached": host_us(lambda: gemm_bf16.gemm(a, b, 5)),
-        "torch.matmul (cuBLAS)": host_us(lambda: torch.matmul(a, b)),
-        "launch alone (prepared, cuda.core)": host_us(lambda: launch(*maps, *sizes)),
-        "tensor_map cache miss": host_us(miss),
-        "  of which: view of the address": host_us(
-            lambda: StridedMemoryView.from_cuda_array_interface(runtime._BareArray(a), stream_ptr=-1)),
-        "  of which: encode (as_tensor_map)": host_us(lambda: view.as_tensor_map(
-            (128, 64), data_type=TensorMapDataType.BFLOAT16, swizzle=TensorMapSwizzle.SWIZZLE_128B)),
+        "gemm(a, b, rung 4), a new address each call": lambda i: gemm_bf16.gemm(*pool[i % 4], 4),
+        "torch.matmul (cuBLAS), same buffers": lambda i: torch.matmul(*pool[i % 4]),
+        "  ours: one tensor-map encode (ctypes)": lambda i: plan.maps[0].encode(pool[i % 4][0].data_ptr(), n, n, 2 * n),
+        "  ours: the launch alone (ctypes)": lambda i: plan.launch(stream, n, n, n),
+        "  ours: plan(a, b, c) (3 encodes + launch)": lambda i: plan(a, b, c),
+        "  torch.empty((n, n)) for C": lambda i: torch.empty((n, n), dtype=torch.bfloat16, device="cuda"),
     }
-    for name, us in rows.items():
-        print(f"{name:45s} {us:7.1f} us/call")
+    print(f"# {n}^3")
+    for name, fn in rows.items():
+        print(f"{name:48s} {host_us(fn):7.1f} us/call")
 
+
+def harness(n: int) -> None:
     problem = load_problem(gemm_bf16.HERE.parent.parent / "problems" / "level1" / "matmul_bf16.py", "full",
-                           {"M": N, "N": N, "K": N})
-    candidate = rung_candidate(gemm_bf16.rung(5))
+                           {"M": n, "N": n, "K": n})
+    candidate = rung_candidate(gemm_bf16.rung(4))
     evaluate(problem, candidate, timing=TimingConfig(budget_s=0.5))  # warm
     for run in (1, 2):
         r = evaluate(problem, candidate, timing=TimingConfig(budget_s=2.0)).to_dict()
         prof = r["gate2"]["profile"]
-        print(f"evaluate run {run}: {r['status']}, speedup {r['gate2']['speedup']:.3f}x over cuBLAS; "
-              + "; ".join(f"{side}: device {v['median_device_ms']:.4f} ms, host {v['median_host_ms']:.4f} ms, "
-                          f"host-bound {v['host_bound_frac']:.0%}" for side, v in prof.items()))
+        print(f"{n}^3 evaluate run {run}: {r['status']}, speedup {r['gate2']['speedup']:.3f}x over cuBLAS; "
+              + "; ".join(f"{side}: device {v['median_device_ms'] * 1e3:.1f} us, host {v['median_host_ms'] * 1e3:.1f} us"
+                          for side, v in prof.items()))
 
 
 if __name__ == "__main__":
-    main()
+    sizes = [int(s) for s in sys.argv[1:]] or [1024, 4096]
+    for size in sizes:
+        parts(size)
+    for size in sizes:
+        harness(size)

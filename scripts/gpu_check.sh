@@ -5,6 +5,7 @@
 #   tests-attention sweep-attention bench-attention   ("tests" already includes tests-attention)
 #   tests-serving bench-serving   (SERVING_SHAPES picks the serving groups, default all)
 #   profile-gemm (ncu of the GEMMs at 4096^3; not in the default)
+#   tests-gemm-bf16 variants-bf16 host-overhead   (the bf16 GEMM's GPU tests, device-time variants, host time per call)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
@@ -43,6 +44,15 @@ if [[ $parts == *" ladder-bf16 "* ]]; then
     python3 -m kforge ladder gemm --dtype bf16 --size $size --results "$out/ladder-gemm-bf16-$size.jsonl" 2>&1 \
       | tee "$out/ladder-bf16-$size.txt"
   done
+fi
+if [[ $parts == *" tests-gemm-bf16 "* ]]; then
+  python3 -m pytest -q -m gpu tests/kernels/test_gemm_bf16.py 2>&1 | tail -25 | tee "$out/pytest-gpu-gemm-bf16.log"
+fi
+if [[ $parts == *" variants-bf16 "* ]]; then
+  python3 scripts/gemm_bf16_variants.py 2>&1 | tee "$out/gemm-bf16-variants.txt"
+fi
+if [[ $parts == *" host-overhead "* ]]; then
+  python3 scripts/gemm_host_overhead.py 2>&1 | tee "$out/host-overhead.txt"
 fi
 if [[ $parts == *" tests-attention "* ]]; then
   python3 -m pytest -q -m gpu tests/kernels/test_attention.py 2>&1 | tail -25 | tee "$out/pytest-gpu-attention.log"

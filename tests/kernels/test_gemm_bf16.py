@@ -64,11 +64,32 @@ def test_hopper_rungs_assemble_to_wgmma_and_tma_without_spills(step, b_layout):
     assert ("MULTICAST" in code) == (step.number == 5), "only rung 5 multicasts"
 
 
-def test_sweep_variants_compile_and_fit_shared_memory():
+def test_sweep_variants_compile_without_spills_and_fit_shared_memory():
     for number, defines in gemm_bf16.SWEEP:
         step = rung(number)
         assert step.shared_bytes(step.parameters(defines)) <= 227 * 1024
-        compile_cuda(step.source, arch="sm_90a", defines=defines)
+        for b_kmajor in (0, 1):
+            used = resources(compile_cuda(step.source, arch="sm_90a", defines={**defines, "B_KMAJOR": b_kmajor}))["gemm"]
+            assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0), (number, defines)
+
+
+def test_split_k_fills_idle_sms_only_and_keeps_enough_k_per_split():
+    from kforge.kernels.gemm_bf16 import MIN_K_TILES_PER_SPLIT, auto_splits
+
+    assert auto_splits(tiles=512, resident_ctas=132, k_tiles=64) == 1  # 4096^3: the tiles fill the SMs
+    assert auto_splits(tiles=67, resident_ctas=132, k_tiles=64) == 1  # just over half full
+    assert auto_splits(tiles=32, resident_ctas=132, k_tiles=16) == 4  # 1024^3 at 128 x 256: 128 CTAs busy
+    assert auto_splits(tiles=16, resident_ctas=132, k_tiles=64) == 8
+    assert auto_splits(tiles=16, resident_ctas=132, k_tiles=2 * MIN_K_TILES_PER_SPLIT) == 2  # short K caps it
+    assert auto_splits(tiles=1, resident_ctas=132, k_tiles=3) == 1
+
+
+def test_split_k_is_refused_where_it_cannot_run():
+    a, b = _bf16(4, 16), _bf16(16, 8)
+    with pytest.raises(LaunchError, match="split_k must be a positive int and the rung persistent"):
+        gemm(a, b, 2, split_k=2)
+    with pytest.raises(LaunchError, match="split_k must be a positive int"):
+        gemm(a, b, 4, split_k=0)
 
 
 def test_rungs_are_found_by_number_name_or_label():
@@ -124,6 +145,17 @@ def test_ops_matmul_is_a_custom_op_that_traces_and_differentiates():
                                                                                      torch.randn(7, 3))
 
 
+def test_ops_matmul_picks_split_k_where_big_tiles_leave_sms_idle():
+    from kforge.ops.matmul import best_kernel
+
+    assert best_kernel(1024, 1024, 1024) == (4, gemm_bf16.SPLIT_K_VARIANT)  # 32 tiles of 128 x 256
+    assert best_kernel(16, 4096, 14336) == (4, gemm_bf16.SPLIT_K_VARIANT)
+    assert best_kernel(16, 28672, 4096) == (4, {})  # 112 tiles: most SMs busy, one row tile
+    assert best_kernel(4096, 4096, 4096) == (5, {})
+    assert best_kernel(2048, 2048, 2048) == (5, {})  # 128 tiles
+    assert best_kernel(16, 4096, 4096, sms=8) == (4, {})  # a smaller GPU fills up sooner
+
+
 def test_bench_covers_squares_and_llama_projections_and_summarises_ratios():
     shapes = gemm_shapes()
     assert [s.label for s in shapes[:4]] == ["1024^3", "2048^3", "4096^3", "8192^3"]
@@ -167,6 +199,57 @@ def test_rungs_are_correct_on_odd_shapes(step, b_layout):
         a, b, expected = _operands(m, n, k, b_layout)
         torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")  # freed: the output reuses it
         _assert_close(gemm(a, b, step, b_layout=b_layout), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", RUNGS, ids=lambda r: r.label)
+def test_back_to_back_calls_each_read_their_own_operands(step):
+    """The lean launch path rewrites one plan's tensor maps and arguments on every call: calls
+    queued without a synchronize between them must still each see their own buffers."""
+    torch.manual_seed(2)
+    operands = [_operands(200, 264, 520, "nk") for _ in range(4)]
+    results = [gemm(a, b, step, b_layout="nk") for a, b, _ in operands]
+    for got, (_, _, expected) in zip(results, operands):
+        _assert_close(got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_layout", gemm_bf16.B_LAYOUTS)
+@pytest.mark.parametrize("m, n, k, split_k", [
+    (16, 512, 4096, 8), (1, 136, 1032, 3), (130, 264, 520, 2), (67, 128, 72, 3),  # 2 k-tiles, 3 splits: one empty
+    (300, 1024, 2048, None),  # auto
+])
+def test_split_k_sums_every_split_once_and_leaves_the_counters_ready(m, n, k, split_k, b_layout):
+    torch.manual_seed(4)
+    for _ in range(3):  # the counters must be back at zero for the next launch of the same plan
+        a, b, expected = _operands(m, n, k, b_layout)
+        got = gemm(a, b, 4, b_layout=b_layout, defines=gemm_bf16.SPLIT_K_VARIANT, split_k=split_k)
+        _assert_close(got, expected)
+    plan = next(p for key, p in gemm_bf16._PLANS.items() if key[3:6] == (m, n, k) and key[-1] == split_k
+                and key[1] == b_layout)
+    assert plan.splits == (split_k or plan.splits) and (plan.splits > 1) == bool(plan.workspace)
+    if plan.workspace:
+        assert int(plan.workspace[1].abs().sum()) == 0
+    with pytest.raises(LaunchError, match="SPLIT_K=1"):
+        gemm(a, b, 4, b_layout=b_layout, split_k=2)
+
+
+@pytest.mark.gpu
+def test_threads_launching_the_same_shape_get_their_own_plans():
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.manual_seed(3)
+    operands = [_operands(300, 256, 512, "kn") for _ in range(8)]
+
+    def one(i):
+        a, b, _ = operands[i]
+        return gemm(a, b, 4)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(8)))
+    torch.cuda.synchronize()
+    for got, (_, _, expected) in zip(results, operands):
+        _assert_close(got, expected)
 
 
 @pytest.mark.gpu

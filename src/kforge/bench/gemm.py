@@ -46,15 +46,17 @@ def gemm_shapes() -> list[GemmShape]:
     return shapes
 
 
-def gemm_methods(b_layout: str, m: int) -> dict[str, Candidate]:
-    """The methods timed against cuBLAS: ours (the rung kforge.ops.matmul picks for M) and Triton."""
+def gemm_methods(b_layout: str, m: int, n: int, k: int) -> dict[str, Candidate]:
+    """The methods timed against cuBLAS: ours (the kernel kforge.ops.matmul picks for the
+    shape on an H100's 132 SMs) and Triton."""
     from kforge.kernels import gemm_bf16
     from kforge.ladder import source_candidate
-    from kforge.ops.matmul import best_rung
+    from kforge.ops.matmul import best_kernel
 
-    step = gemm_bf16.rung(best_rung(m))
+    number, defines = best_kernel(m, n, k)
+    step = gemm_bf16.rung(number)
     return {
-        "ours": source_candidate("ours", lambda: gemm_bf16.RungModel(step, b_layout), [step.source]),
+        "ours": source_candidate("ours", lambda: gemm_bf16.RungModel(step, b_layout, defines), [step.source], defines),
         "triton": source_candidate("triton", lambda: gemm_bf16.TritonMatmul(b_layout), [gemm_bf16.TRITON_SOURCE]),
     }
 
@@ -64,7 +66,7 @@ def gemm_jobs(shapes: Sequence[GemmShape]) -> Iterator[BenchJob]:
 
     for shape in shapes:
         problem = load_problem(shape.problem, "full", {"M": shape.m, "N": shape.n, "K": shape.k})
-        for method, candidate in gemm_methods(shape.b_layout, shape.m).items():
+        for method, candidate in gemm_methods(shape.b_layout, shape.m, shape.n, shape.k).items():
             yield BenchJob(f"{shape.label} {method}", problem, candidate)
 
 

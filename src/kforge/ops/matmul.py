@@ -9,15 +9,27 @@ weight, `w.t()`), which the kernel reads as it lies. Anything else goes to torch
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
+def best_kernel(m: int, n: int, k: int, sms: int = 132) -> tuple[int, dict[str, int]]:
+    """Which rung and variant for an M x N x K product on `sms` SMs (from the H100 ladders and
+    `kforge bench gemm`, README's GEMM section). Rung 5's clusters pair two 128-row tiles on
+    one column of B, so with a single row tile the second CTA of every pair would idle: rung 4
+    takes M <= 128. Where 128 x 256 tiles would leave more than half the SMs idle (skinny M,
+    1024^3), rung 4's split-K variant cuts each 128 x 128 tile's K loop across the idle SMs."""
+    from kforge.kernels.gemm_bf16 import SPLIT_K_VARIANT
 
-def best_rung(m: int) -> int:
-    """Which rung for M rows (from the H100 ladders and `kforge bench gemm`, README's GEMM
-    section): rung 5's clusters pair two row tiles (128 rows each) on one column of B, so
-    with a single row tile the second CTA of every pair would idle; rung 4 takes those."""
-    return 5 if m > 128 else 4
+    if 2 * -(-m // 128) * -(-n // 256) <= sms:
+        return 4, dict(SPLIT_K_VARIANT)
+    return (5 if m > 128 else 4), {}
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _layout(b: torch.Tensor) -> str | None:
@@ -49,7 +61,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     from kforge.kernels.gemm_bf16 import gemm
 
     layout = _layout(b)
-    return gemm(a, b if layout == "kn" else b.t(), best_rung(a.shape[0]), b_layout=layout)
+    step, defines = best_kernel(a.shape[0], b.shape[1], a.shape[1], _sm_count(a.device.index))
+    return gemm(a, b if layout == "kn" else b.t(), step, b_layout=layout, defines=defines)
 
 
 @matmul.register_fake

@@ -322,7 +322,7 @@ class CudaKernel:
 
         Tensors are passed as pointers (they must be CUDA tensors on one device), Python
         ints as 32-bit ints, floats as 32-bit floats; numpy scalars keep their own type;
-        tensor maps (`tensor_map`) by value, for `__grid_constant__` parameters. `cluster`
+        cuda.core tensor maps (`TensorMapDescriptor`) by value, for `__grid_constant__` parameters. `cluster`
         groups blocks into thread-block clusters (the grid must be a multiple of it).
         Everything is checked before the launch; the launch's own status is checked by
         cuda.core, and faults inside the kernel surface at the next synchronization.
@@ -393,6 +393,23 @@ class CudaKernel:
             self._prepared[key] = go
         return self._prepared[key]
 
+    def lean(self, grid: int | Sequence[int], block: int | Sequence[int], index: int, *, kinds: Sequence[str],
+             maps: Sequence = (), shared_bytes: int = 0, cluster: int | Sequence[int] | None = None):
+        """A `driver.LeanLaunch` of this kernel on device `index`: the same checks as `prepare`,
+        then every later call is a few ctypes calls (see `kforge.runtime.driver`)."""
+        from cuda.bindings import driver
+        from cuda.core import Device
+
+        from kforge.runtime.driver import LeanLaunch, function_of
+
+        grid, block, cluster = self._shape(grid, block, cluster)
+        kernel = self._kernel(index, shared_bytes)
+        handle = int(kernel.handle)
+        if isinstance(kernel.handle, driver.CUkernel):
+            Device(index).set_current()  # torch's primary context, current on this thread (a new thread has none)
+            handle = function_of(handle)
+        return LeanLaunch(handle, grid, block, shared_bytes, cluster, kinds, maps)
+
     def max_active_clusters(self, block: int, cluster: int, shared_bytes: int, index: int) -> int:
         """How many clusters of `cluster` blocks can run at once on device `index` (the
         grid of a persistent kernel: more would run as a second wave)."""
@@ -430,56 +447,6 @@ def _allow_dynamic_shared(kernel, shared_bytes: int, index: int) -> None:
         (status,) = driver.cuFuncSetAttribute(kernel.handle, attribute, shared_bytes)
     if status != driver.CUresult.CUDA_SUCCESS:
         raise LaunchError(f"cannot give the kernel {shared_bytes} bytes of shared memory: {status.name}")
-
-
-class _BareArray:
-    """A 2-D tensor's address, shape and strides as a CUDA array interface (2-byte elements),
-    without a reference to the tensor."""
-
-    def __init__(self, tensor):
-        self.__cuda_array_interface__ = {
-            "shape": tuple(tensor.shape), "strides": tuple(2 * s for s in tensor.stride()), "typestr": "<i2",
-            "data": (tensor.data_ptr(), False), "version": 3, "stream": None}
-
-
-_TENSOR_MAPS: dict[tuple, object] = {}
-_TENSOR_MAP_CACHE_SIZE = 256
-
-
-def tensor_map(tensor, box: Sequence[int], *, swizzle_bytes: int = 128):
-    """A TMA descriptor (CUtensorMap) of a 2-D bf16 or fp16 CUDA tensor, for a `__grid_constant__` parameter.
-
-    `box` is the tile one copy moves, in the tensor's own order (rows, columns); the
-    swizzle (128, 64, 32 bytes or 0 for none) must match the kernel's shared-memory
-    layout. Out-of-bounds parts of a box read as zeros and are not written back.
-    Descriptors only encode the address, shape and strides, so they are cached on
-    exactly those: repeated calls on the same buffers cost a dictionary lookup.
-    """
-    import torch
-    from cuda.core._tensor_map import TensorMapDataType, TensorMapSwizzle
-    from cuda.core.utils import StridedMemoryView
-
-    kinds = {torch.bfloat16: TensorMapDataType.BFLOAT16, torch.float16: TensorMapDataType.FLOAT16}
-    swizzles = {0: TensorMapSwizzle.NONE, 32: TensorMapSwizzle.SWIZZLE_32B, 64: TensorMapSwizzle.SWIZZLE_64B,
-                128: TensorMapSwizzle.SWIZZLE_128B}
-    if tensor.dtype not in kinds or tensor.dim() != 2 or not tensor.is_cuda:
-        raise LaunchError(f"tensor_map takes a 2-D bf16/fp16 CUDA tensor, got {tuple(tensor.shape)} "
-                          f"{tensor.dtype} on {tensor.device}")
-    if tensor.stride(1) != 1 or (tensor.stride(0) * 2) % 16 or tensor.data_ptr() % 16:
-        raise LaunchError(f"tensor_map: rows must be contiguous and 16-byte aligned, got strides "
-                          f"{tuple(tensor.stride())} at address {tensor.data_ptr():#x}")
-    key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tuple(box), swizzle_bytes,
-           tensor.device.index)
-    found = _TENSOR_MAPS.get(key)
-    if found is None:
-        # A view of the bare address, not of the tensor: a cached descriptor must not keep
-        # its tensor alive (a dlpack view would, and the cache would hold gigabytes).
-        view = StridedMemoryView.from_cuda_array_interface(_BareArray(tensor), stream_ptr=-1)
-        found = view.as_tensor_map(tuple(box), data_type=kinds[tensor.dtype], swizzle=swizzles[swizzle_bytes])
-        if len(_TENSOR_MAPS) >= _TENSOR_MAP_CACHE_SIZE:
-            _TENSOR_MAPS.pop(next(iter(_TENSOR_MAPS)))  # first in, first out
-        _TENSOR_MAPS[key] = found
-    return found
 
 
 def _dims(value: int | Sequence[int], what: str) -> tuple[int, int, int]:

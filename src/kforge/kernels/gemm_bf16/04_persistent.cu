@@ -9,6 +9,12 @@
 // 64 x 64 box, replacing rung 3's scattered 4-byte global stores. The tile leaves in
 // EPI_COLS-wide slices through one small buffer, which leaves room for a 4th stage.
 // Also here, compiled out at CLUSTER_M 1: rung 5's thread-block clusters (see 05_clusters.cu).
+// Split-K, for shapes with fewer tiles than SMs (skinny M, or 1024^3: 32 tiles on 132 SMs):
+// compiled in with SPLIT_K 1 (its registers do not fit beside a 128 x 256 tile's
+// accumulators: use it with BN 128), then with `splits` > 1 a job is one K range of one tile. Each split leaves its fp32 partial in
+// a global workspace (only rows inside C), counts itself in on a per-tile counter, and the
+// last to arrive adds the others' partials in split order (the same sum whoever is last),
+// resets the counter for the next launch and stores the tile. No split ever waits.
 // Why: rung 3 paid a launch-sized pipeline fill and a global-store epilogue per tile,
 // and its last wave left most SMs idle.
 // Predicted: parity with cuBLAS at 4096^3 and above.
@@ -35,6 +41,9 @@
 #ifndef CLUSTER_M
 #define CLUSTER_M 1  // CTAs per cluster, on consecutive row tiles sharing one column of B
 #endif
+#ifndef SPLIT_K
+#define SPLIT_K 0  // 1: compile the split-K path in (see above); 0: `split_count` is ignored
+#endif
 #ifndef B_KMAJOR
 #define B_KMAJOR 0  // 1: B is given as N x K (C = A @ B^T); 0: B is K x N
 #endif
@@ -55,9 +64,14 @@ static_assert(B_CHUNKS % CLUSTER_M == 0, "each CTA of a cluster loads an equal s
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
-     const __grid_constant__ TensorMap c_map, int M, int N, int K) {
+     const __grid_constant__ TensorMap c_map, int M, int N, int K, int split_count, float4* __restrict__ partials,
+     int* __restrict__ arrivals) {
+    const int splits = SPLIT_K ? split_count : 1;
     check_launch(NUM_THREADS, SHARED_BYTES);
     extern __shared__ __align__(16) unsigned char smem_raw[];  // aligned to 1024 by hand below
+#if SPLIT_K
+    __shared__ int last_split[CONSUMERS];  // whether this warpgroup's split arrived last
+#endif
     bf16_bits* tiles = reinterpret_cast<bf16_bits*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
     bf16_bits* c_tiles = tiles + STAGES * (A_TILE + B_TILE);
     u64* full = reinterpret_cast<u64*>(c_tiles + CONSUMERS * C_TILE);
@@ -67,7 +81,7 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
 
     const int tiles_m = CEIL_DIV(M, BM), tiles_n = CEIL_DIV(N, BN), k_tiles = CEIL_DIV(K, BK);
     // A job is one tile per CTA of a cluster: CLUSTER_M consecutive row tiles, one column.
-    const int jobs = CEIL_DIV(tiles_m, CLUSTER_M) * tiles_n;
+    const int jobs = CEIL_DIV(tiles_m, CLUSTER_M) * tiles_n * splits;
     const int first_job = blockIdx.x / CLUSTER_M, job_stride = gridDim.x / CLUSTER_M;
     const u32 rank = CLUSTER_M > 1 ? cluster_rank() : 0;
     const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
@@ -88,9 +102,9 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
             int it = 0;  // k-tiles loaded so far, across jobs: the ring position
             for (int job = first_job; job < jobs; job += job_stride) {
                 int cm, tn;
-                tile_coords(job, CEIL_DIV(tiles_m, CLUSTER_M), tiles_n, GROUP_M, cm, tn);
-                const int row0 = (cm * CLUSTER_M + rank) * BM, col0 = tn * BN;
-                for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                tile_coords(job / splits, CEIL_DIV(tiles_m, CLUSTER_M), tiles_n, GROUP_M, cm, tn);
+                const int row0 = (cm * CLUSTER_M + rank) * BM, col0 = tn * BN, split = job % splits;
+                for (int kt = split * k_tiles / splits; kt < (split + 1) * k_tiles / splits; ++kt, ++it) {
                     const int s = it % STAGES;
                     mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
                     mbar_arrive_expect_tx(&full[s], STAGE_BYTES);  // all of B arrives, our share and the peers'
@@ -129,9 +143,10 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
         int it = 0;
         for (int job = first_job; job < jobs; job += job_stride) {
             int cm, tn;
-            tile_coords(job, CEIL_DIV(tiles_m, CLUSTER_M), tiles_n, GROUP_M, cm, tn);
-            const int row0 = (cm * CLUSTER_M + rank) * BM, col0 = tn * BN;
-            for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+            tile_coords(job / splits, CEIL_DIV(tiles_m, CLUSTER_M), tiles_n, GROUP_M, cm, tn);
+            const int row0 = (cm * CLUSTER_M + rank) * BM, col0 = tn * BN, split = job % splits;
+            const int kt_begin = split * k_tiles / splits, kt_end = (split + 1) * k_tiles / splits;
+            for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
                 const int s = it % STAGES;
                 mbar_wait(&full[s], (it / STAGES) & 1);
                 wgmma_fence();
@@ -139,14 +154,59 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
                 for (int ks = 0; ks < BK / 16; ++ks) {
                     const u64 a = kmajor_desc(a_tile(s) + consumer * 64 * BK, ks);
                     const u64 b = B_KMAJOR ? kmajor_desc(b_tile(s), ks) : nmajor_desc<BK>(b_tile(s), ks);
-                    wgmma_m64k16<BN, !B_KMAJOR>(acc, a, b, kt > 0 || ks > 0);
+                    wgmma_m64k16<BN, !B_KMAJOR>(acc, a, b, kt > kt_begin || ks > 0);
                 }
                 wgmma_commit();
                 wgmma_wait<1>();
-                if (kt > 0) release((it - 1) % STAGES);
+                if (kt > kt_begin) release((it - 1) % STAGES);
             }
             wgmma_wait<0>();
-            release((it - 1) % STAGES);
+#if SPLIT_K
+            if (kt_end > kt_begin) release((it - 1) % STAGES);
+            else
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;  // an empty K range (more splits than k-tiles)
+#else
+            release((it - 1) % STAGES);  // (K > 0: the host returns zeros itself for K = 0)
+#endif
+
+#if SPLIT_K
+            if (splits > 1) {
+                const int first_row = row0 + consumer * 64;  // of this warpgroup's 64 x BN slice
+                if (first_row >= M) continue;  // entirely outside C: nothing to add up or store
+                // This warp's 16 rows as 32 lanes x BN/2 registers, lane-fastest: coalesced 16-byte accesses.
+                const int warp = (thread / 32), slice = ((cm * CLUSTER_M + rank) * tiles_n + tn) * CONSUMERS + consumer;
+                const bool rows_in_c = first_row + 16 * warp < M;
+                auto part = [&](int sp) { return partials + ((size_t(slice) * splits + sp) * 4 + warp) * (BN / 8) * 32; };
+                if (rows_in_c)
+#pragma unroll
+                    for (int q = 0; q < BN / 8; ++q)
+                        part(split)[q * 32 + lane] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+                __threadfence();  // our partial is visible before we count ourselves in
+                named_barrier(1 + consumer, 128);
+                if (thread == 0) last_split[consumer] = atomicAdd(&arrivals[slice], 1) == splits - 1;
+                named_barrier(1 + consumer, 128);
+                if (!last_split[consumer]) continue;
+                __threadfence();
+                // Every partial (our own too) read back in split order: the same sum whoever is last.
+                // A split's BN/8 loads are independent and in flight together; a loop over splits
+                // inside the loop over registers would wait out one load latency per register group.
+                if (rows_in_c) {
+#pragma unroll
+                    for (int q = 0; q < BN / 8; ++q) {
+                        const float4 x = __ldcg(part(0) + q * 32 + lane);
+                        acc[4 * q] = x.x, acc[4 * q + 1] = x.y, acc[4 * q + 2] = x.z, acc[4 * q + 3] = x.w;
+                    }
+                    for (int sp = 1; sp < splits; ++sp)
+#pragma unroll
+                        for (int q = 0; q < BN / 8; ++q) {
+                            const float4 x = __ldcg(part(sp) + q * 32 + lane);
+                            acc[4 * q] += x.x, acc[4 * q + 1] += x.y, acc[4 * q + 2] += x.z, acc[4 * q + 3] += x.w;
+                        }
+                }
+                if (thread == 0) arrivals[slice] = 0;  // every split has arrived: ready for the next launch
+            }
+#endif
 
             // Epilogue, slice by slice: wait until the buffer's previous store has read it, fill it, store it.
 #pragma unroll

@@ -21,13 +21,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from threading import get_ident
 
-import numpy as np
 import torch
 from torch import nn
 
 from kforge.kernels import RungSource
-from kforge.runtime.cuda import CudaKernel, LaunchError, tensor_map
+from kforge.runtime.cuda import CudaKernel, LaunchError
+from kforge.runtime.driver import TensorMapSlot
 
 HERE = Path(__file__).parent
 B_LAYOUTS = ("kn", "nk")
@@ -116,53 +117,117 @@ def _check(a: torch.Tensor, b: torch.Tensor, b_layout: str) -> tuple[int, int, i
     return m, n, k
 
 
-_PLANS: dict[tuple, tuple] = {}
+TMA_L2_PROMOTION_BYTES = 0  # the operand descriptors' L2 promotion (0, 64, 128, 256): how TMA fills L2 lines
+
+# Rung 4 for shapes with fewer 128 x 256 tiles than SMs: 128 x 128 tiles and split-K.
+SPLIT_K_VARIANT = {"BN": 128, "STAGES": 6, "EPI_COLS": 64, "SPLIT_K": 1}
+MIN_K_TILES_PER_SPLIT = 4  # below this a split's pipeline fill and its partial's round trip outweigh the work
 
 
-def _plan(step: Rung, b_layout: str, defines: Mapping[str, int] | None, m: int, n: int, index: int) -> tuple:
-    """Grid, block and shared memory for one problem shape, checked once: the per-call path is
-    then only the tensor maps and the launch (Python time per call matters at small shapes)."""
-    kernel, p = prepared(step, b_layout, defines)
-    cluster = p.get("CLUSTER_M", 1)
-    with torch.cuda.device(index):
-        if step.persistent:
-            jobs = _cdiv(_cdiv(m, p["BM"]), cluster) * _cdiv(n, p["BN"])
-            resident = kernel.max_active_clusters(step.threads(p), cluster, step.shared_bytes(p), index)
-            grid = (min(jobs, resident) * cluster,)
+def auto_splits(tiles: int, resident_ctas: int, k_tiles: int) -> int:
+    """Split-K factor for `tiles` output tiles on `resident_ctas` resident CTAs: none while
+    the tiles alone fill at least half the SMs; else enough splits to fill them, each split
+    keeping at least MIN_K_TILES_PER_SPLIT k-tiles."""
+    if 2 * tiles > resident_ctas:
+        return 1
+    return max(1, min(resident_ctas // tiles, k_tiles // MIN_K_TILES_PER_SPLIT))
+
+
+class _Plan:
+    """Everything about one launch that depends only on the shape, made once: the grid, the
+    prepared driver launch, and a tensor-map slot per operand (only the addresses change
+    from call to call). The per-call path is then a handful of ctypes calls: the harness
+    times each call as max(device, host), and at small shapes the host side was the call."""
+
+    def __init__(self, step: Rung, b_layout: str, defines: Mapping[str, int] | None, m: int, n: int, k: int,
+                 index: int, split_k: int | None = None):
+        kernel, p = prepared(step, b_layout, defines)
+        cluster = p.get("CLUSTER_M", 1)
+        self.splits, self.workspace = 1, ()
+        with torch.cuda.device(index):
+            if step.persistent:
+                tiles = _cdiv(_cdiv(m, p["BM"]), cluster) * cluster * _cdiv(n, p["BN"])  # CTA tiles, with padding
+                resident = kernel.max_active_clusters(step.threads(p), cluster, step.shared_bytes(p), index)
+                if split_k is not None and not p["SPLIT_K"]:
+                    raise LaunchError(f"gemm_bf16: split_k needs a variant compiled with SPLIT_K=1, e.g. {SPLIT_K_VARIANT}")
+                self.splits = split_k or (auto_splits(tiles, resident * cluster, _cdiv(k, p["BK"])) if p["SPLIT_K"] else 1)
+                grid = (min(tiles // cluster * self.splits, resident) * cluster,)
+                if self.splits > 1:  # per 64-row slice of a tile, one 64 x BN fp32 partial per split; counters
+                    slices = tiles * p["BM"] // 64
+                    where = torch.device("cuda", index)
+                    self.workspace = (torch.empty(slices * self.splits * 64 * p["BN"], dtype=torch.float32, device=where),
+                                      torch.zeros(slices, dtype=torch.int32, device=where))
+            else:
+                grid = (_cdiv(n, p["BN"]), _cdiv(m, p["BM"]))
+            if step.pointers:
+                self.maps = ()
+                kinds = ("ptr", "ptr", "ptr", "i32", "i32", "i32")
+            else:
+                # K-major B: one box of BN rows (a cluster's CTAs each load their share); N-major: 64-column boxes.
+                b_box = (p["BN"] // cluster, p["BK"]) if b_layout == "nk" else (p["BK"], 64)
+                promote = dict(l2_promotion_bytes=TMA_L2_PROMOTION_BYTES)
+                self.maps = (TensorMapSlot("bfloat16", (p["BM"], p["BK"]), **promote),
+                             TensorMapSlot("bfloat16", b_box, **promote))
+                self.maps += (TensorMapSlot("bfloat16", (64, 64)),) if step.persistent else ()
+                kinds = (("map", "map", "map", "i32", "i32", "i32", "i32", "ptr", "ptr") if step.persistent
+                         else ("map", "map", "ptr", "i32", "i32", "i32"))
+            self.launch = kernel.lean(grid, step.threads(p), index, kinds=kinds, maps=self.maps,
+                                      shared_bytes=step.shared_bytes(p), cluster=(cluster, 1, 1) if cluster > 1 else None)
+        self.b_shape = (k, n) if b_layout == "kn" else (n, k)
+        self.m, self.n, self.k, self.index = m, n, k, index
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+        m, n, k = self.m, self.n, self.k
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        if not self.maps:
+            self.launch(stream, a.data_ptr(), b.data_ptr(), c.data_ptr(), m, n, k)
+            return
+        a_map, b_map = self.maps[0], self.maps[1]
+        a_map.encode(a.data_ptr(), m, k, 2 * k)
+        b_map.encode(b.data_ptr(), *self.b_shape, 2 * self.b_shape[1])
+        if len(self.maps) == 3:
+            self.maps[2].encode(c.data_ptr(), m, n, 2 * n)
+            partials, arrivals = (w.data_ptr() for w in self.workspace) if self.workspace else (0, 0)
+            self.launch(stream, m, n, k, self.splits, partials, arrivals)
         else:
-            grid = (_cdiv(n, p["BN"]), _cdiv(m, p["BM"]))
-        launch = kernel.prepare(grid, step.threads(p), index, shared_bytes=step.shared_bytes(p),
-                                cluster=cluster if cluster > 1 else None)
-    return launch, p, cluster
+            self.launch(stream, c.data_ptr(), m, n, k)
+
+
+_PLANS: dict[tuple, _Plan] = {}
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layout: str = "kn",
-         defines: Mapping[str, int] | None = None) -> torch.Tensor:
-    """C = a @ b (b_layout "kn") or a @ b.T ("nk") with one rung's kernel, bf16 in and out."""
+         defines: Mapping[str, int] | None = None, split_k: int | None = None) -> torch.Tensor:
+    """C = a @ b (b_layout "kn") or a @ b.T ("nk") with one rung's kernel, bf16 in and out.
+
+    `split_k` (persistent rungs 4 and 5): how many K ranges each tile is cut into; default
+    `auto_splits`'s choice. Plans hold a split-K workspace: one stream at a time per thread."""
     step = step if isinstance(step, Rung) else rung(step)
-    m, n, k = _check(a, b, b_layout)
+    if split_k is not None and (not step.persistent or not isinstance(split_k, int) or split_k < 1):
+        raise LaunchError(f"gemm_bf16: split_k must be a positive int and the rung persistent (4 or 5), got "
+                          f"split_k={split_k!r} for rung {step.label}")
+    # The common case in a few attribute reads; anything unusual takes the full check and its message.
+    if (not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dtype is not torch.bfloat16 or b.dtype is not torch.bfloat16 or not a.is_cuda or a.device != b.device
+            or not (a.is_contiguous() and b.is_contiguous()) or (a.data_ptr() | b.data_ptr()) & 15
+            or a.dim() != 2 or b.dim() != 2 or b_layout not in B_LAYOUTS):
+        _check(a, b, b_layout)
+    m, k = a.shape
+    n, k2 = (b.shape[1], b.shape[0]) if b_layout == "kn" else b.shape
+    if k != k2 or k % 8 or n % 8 or max(m, n, k) >= 2**31:
+        _check(a, b, b_layout)
     c = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
     if m == 0 or n == 0:
         return c
     if k == 0:
         return c.zero_()
-    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    plan_key = (step.number, b_layout, tuple(sorted((defines or {}).items())), m, n, k, index)
-    plan = _PLANS.get(plan_key)
+    index = a.device.index
+    # per thread: a plan's buffers are rewritten on every call
+    key = (step.number, b_layout, tuple(sorted(defines.items())) if defines else (), m, n, k, index, get_ident(),
+           split_k)
+    plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[plan_key] = _plan(step, b_layout, defines, m, n, index)
-    launch, p, cluster = plan
-    sizes = (np.int32(m), np.int32(n), np.int32(k))
-    if step.pointers:
-        launch(a.data_ptr(), b.data_ptr(), c.data_ptr(), *sizes)
-        return c
-    a_map = tensor_map(a, (p["BM"], p["BK"]))
-    # K-major B: one box of BN rows (a cluster's CTAs each load their share); N-major: 64-column boxes.
-    b_map = tensor_map(b, (p["BN"] // cluster, p["BK"]) if b_layout == "nk" else (p["BK"], 64))
-    if step.persistent:
-        launch(a_map, b_map, tensor_map(c, (64, 64)), *sizes)
-    else:
-        launch(a_map, b_map, c.data_ptr(), *sizes)
+        plan = _PLANS[key] = _Plan(step, b_layout, defines, m, n, k, index, split_k)
+    plan(a, b, c)
     return c
 
 
@@ -210,6 +275,7 @@ SWEEP: tuple[tuple[int, dict[str, int]], ...] = (
     (4, {"STAGES": 4, "EPI_COLS": 64}),
     (4, {"GROUP_M": 16}),
     (4, {"BN": 128, "STAGES": 6, "EPI_COLS": 64}),
+    (4, SPLIT_K_VARIANT),
     (5, {}),
     (5, {"STAGES": 4, "EPI_COLS": 64}),
 )

@@ -1,0 +1,77 @@
+"""Device time of the bf16 CUDA rungs' variants against cuBLAS, shape by shape (H100).
+
+    PYTHONPATH=src python scripts/gemm_bf16_variants.py [ROUNDS]
+
+Each variant is timed after a reading L2 flush, interleaved with cuBLAS every round,
+medians of CUDA event times (no host time: this is the kernel alone). Variants: rungs 4
+and 5 with the TMA descriptors' L2 promotion off / 128 B / 256 B at 4096^3; at the shapes
+with fewer 128 x 256 tiles than SMs, rung 4 as it is against its split-K variant.
+"""
+
+import statistics
+import sys
+
+import kforge  # noqa: F401  (before triton)
+import torch
+
+from kforge.kernels import gemm_bf16
+
+L2 = torch.cuda.get_device_properties(0).L2_cache_size
+FLUSH = torch.zeros(L2, dtype=torch.int32, device="cuda")
+SINK = torch.zeros((), dtype=torch.int64, device="cuda")
+SPLIT = gemm_bf16.SPLIT_K_VARIANT
+
+
+def variants(m, n, k):
+    if m == n == k == 4096:
+        for promotion in (0, 128, 256):
+            for number in (4, 5):
+                yield f"rung {number} L2 promotion {promotion}", dict(step=number), promotion
+        return
+    yield "rung 4", dict(step=4), 0
+    yield "rung 4 split-K auto", dict(step=4, defines=SPLIT), 0
+    for splits in (2, 4, 8):
+        yield f"rung 4 split-K {splits}", dict(step=4, defines=SPLIT, split_k=splits), 0
+
+
+def time_shape(m, n, k, b_layout, rounds):
+    a = torch.randn(m, k, device="cuda").bfloat16()
+    b = torch.randn(*((k, n) if b_layout == "kn" else (n, k)), device="cuda").bfloat16()
+    bt = b if b_layout == "kn" else b.t()
+    want = a.float() @ bt.float()
+    fns = {"cuBLAS": lambda: torch.matmul(a, bt)}
+    for name, kwargs, promotion in variants(m, n, k):
+        gemm_bf16.TMA_L2_PROMOTION_BYTES = promotion
+        gemm_bf16._PLANS.clear()
+        got = gemm_bf16.gemm(a, b, b_layout=b_layout, **kwargs).float()  # the plan is made (and kept) here
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-2, (name, err)
+        plan = next(iter(gemm_bf16._PLANS.values()))
+        fns[f"{name} (x{plan.splits})"] = lambda plan=plan: plan(a, b, torch.empty(m, n, dtype=torch.bfloat16,
+                                                                                    device="cuda"))
+    gemm_bf16.TMA_L2_PROMOTION_BYTES = 0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.sum(FLUSH, dim=0, dtype=torch.int64, out=SINK)
+            torch.cuda._sleep(200_000)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    cublas = statistics.median(times["cuBLAS"])
+    print(f"# {m} x {n} x {k} ({b_layout})")
+    for name, t in sorted(times.items(), key=lambda item: statistics.median(item[1])):
+        ms = statistics.median(t)
+        print(f"{name:34s} {ms * 1e3:8.1f} us {2 * m * n * k / ms / 1e9:6.0f} TFLOP/s {cublas / ms:6.3f}x cuBLAS")
+
+
+SHAPES = [(4096, 4096, 4096, "kn"), (1024, 1024, 1024, "kn"), (16, 4096, 4096, "nk"), (128, 4096, 14336, "nk"),
+          (16, 8192, 28672, "nk"), (128, 10240, 8192, "nk"), (16, 6144, 4096, "nk")]
+
+if __name__ == "__main__":
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 50
+    for shape in SHAPES:
+        time_shape(*shape, rounds)
