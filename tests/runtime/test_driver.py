@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kforge.runtime import driver
-from kforge.runtime.driver import LaunchConfig, LaunchAttribute, LeanLaunch, TensorMapSlot
+from kforge.runtime.driver import LaunchAttribute, LaunchConfig, LeanLaunch, TensorMaps
 
 
 def test_structures_have_the_sizes_and_offsets_of_cuda_h():
@@ -95,32 +95,48 @@ def fake(monkeypatch):
 
 
 def test_a_launch_passes_each_argument_by_address_and_the_cluster_as_an_attribute(fake):
-    a_map, b_map = TensorMapSlot("bfloat16", (128, 64)), TensorMapSlot("bfloat16", (64, 64), swizzle_bytes=64)
-    assert a_map.address % 64 == 0 and b_map.address % 64 == 0
-    launch = LeanLaunch(0xF00, (132, 1, 1), (384, 1, 1), 200_000, (2, 1, 1), ("map", "ptr", "map", "i32", "i32"),
-                        [a_map, b_map])
-    launch(0x5EED, 0xDEAD0000, 4096, -7)
+    launch = LeanLaunch(0xF00, (132, 1, 1), (384, 1, 1), 200_000, (2, 1, 1), ("map", "ptr", "map", "i32", "i32"))
+    launch(0x5EED, 0x1000, 0xDEAD0000, 0x2000, 4096, -7)
     call = fake.launches[-1]
     assert call["grid"] == (132, 1, 1) and call["block"] == (384, 1, 1) and call["shared"] == 200_000
     assert call["stream"] == 0x5EED and call["function"] == 0xF00 and call["cluster"] == [(4, 2, 1, 1)]
     params = call["params"]
-    assert params[0] == a_map.address and params[2] == b_map.address  # maps in the order of `kinds`
+    assert params[0] == 0x1000 and params[2] == 0x2000  # a descriptor is passed as its own address
     assert ctypes.c_uint64.from_address(params[1]).value == 0xDEAD0000
     assert [ctypes.c_int32.from_address(p).value for p in params[3:]] == [4096, -7]
-    launch(0, 0xBEEF0000, 1, 2)  # a second call rewrites the same slots
-    assert ctypes.c_uint64.from_address(fake.launches[-1]["params"][1]).value == 0xBEEF0000
+    launch(0, 0x3000, 0xBEEF0000, 0x4000, 1, 2)  # a second call rewrites the same slots
+    params = fake.launches[-1]["params"]
+    assert params[0] == 0x3000 and ctypes.c_uint64.from_address(params[1]).value == 0xBEEF0000
 
 
-def test_a_launch_without_a_cluster_has_no_attribute(fake):
-    LeanLaunch(1, (4, 2, 1), (128, 1, 1), 0, None, ("i32",))(0, 5)
+def test_a_launch_without_a_cluster_has_no_attribute_and_counts_its_arguments(fake):
+    launch = LeanLaunch(1, (4, 2, 1), (128, 1, 1), 0, None, ("i32",))
+    launch(0, 5)
     assert fake.launches[-1]["cluster"] == [] and fake.launches[-1]["grid"] == (4, 2, 1)
+    with pytest.raises(Exception, match="1 arguments expected, got 2"):
+        launch(0, 5, 6)
+    with pytest.raises(Exception, match="argument kinds"):
+        LeanLaunch(1, (1, 1, 1), (32, 1, 1), 0, None, ("f32",))
 
 
-def test_an_encode_gives_the_driver_innermost_dimension_first(fake):
-    slot = TensorMapSlot("bfloat16", (128, 64), swizzle_bytes=128)
-    slot.encode(0x1000, 300, 520, 1040)
-    assert fake.encodes[-1] == dict(address=slot.address, dtype=9, rank=2, data=0x1000, dims=(520, 300), stride=1040,
+def test_a_descriptor_is_encoded_once_per_address_innermost_dimension_first(fake):
+    maps = TensorMaps("bfloat16", 300, 520, 1040, (128, 64), swizzle_bytes=128)
+    first = maps.address_of(0x1000)
+    assert first % 64 == 0 and maps.address_of(0x1000) == first and len(fake.encodes) == 1
+    assert fake.encodes[-1] == dict(address=first, dtype=9, rank=2, data=0x1000, dims=(520, 300), stride=1040,
                                     box=(64, 128), swizzle=3)
+    second = maps.address_of(0x2000)
+    assert second != first and len(fake.encodes) == 2 and fake.encodes[-1]["data"] == 0x2000
+
+
+def test_past_capacity_the_oldest_descriptor_is_encoded_again_for_the_newcomer(fake):
+    maps = TensorMaps("float16", 64, 64, 128, (64, 64), capacity=2)
+    a, b = maps.address_of(0xA000), maps.address_of(0xB000)
+    c = maps.address_of(0xC000)  # evicts 0xA000, reuses its buffer
+    assert c == a and fake.encodes[-1]["data"] == 0xC000 and fake.encodes[-1]["dtype"] == 6
+    assert maps.address_of(0xB000) == b and len(fake.encodes) == 3
+    maps.address_of(0xA000)  # seen before but evicted: encoded again
+    assert len(fake.encodes) == 4 and fake.encodes[-1]["data"] == 0xA000
 
 
 def test_driver_failures_raise_with_the_error_name(fake):
@@ -128,9 +144,4 @@ def test_driver_failures_raise_with_the_error_name(fake):
     with pytest.raises(driver.DriverError, match=r"cuLaunchKernelEx failed: CUDA_ERROR_INVALID_VALUE \(1\)"):
         LeanLaunch(1, (1, 1, 1), (32, 1, 1), 0, None, ())(0)
     with pytest.raises(driver.DriverError, match="cuTensorMapEncodeTiled .*300 x 520"):
-        TensorMapSlot("bfloat16", (128, 64)).encode(0x1000, 300, 520, 1040)
-
-
-def test_unused_tensor_map_slots_are_a_mistake(fake):
-    with pytest.raises(Exception, match="not used"):
-        LeanLaunch(1, (1, 1, 1), (32, 1, 1), 0, None, ("i32",), [TensorMapSlot("bfloat16", (64, 64))])
+        TensorMaps("bfloat16", 300, 520, 1040, (128, 64)).address_of(0x1000)

@@ -394,7 +394,7 @@ class CudaKernel:
         return self._prepared[key]
 
     def lean(self, grid: int | Sequence[int], block: int | Sequence[int], index: int, *, kinds: Sequence[str],
-             maps: Sequence = (), shared_bytes: int = 0, cluster: int | Sequence[int] | None = None):
+             shared_bytes: int = 0, cluster: int | Sequence[int] | None = None):
         """A `driver.LeanLaunch` of this kernel on device `index`: the same checks as `prepare`,
         then every later call is a few ctypes calls (see `kforge.runtime.driver`)."""
         from cuda.bindings import driver
@@ -408,7 +408,7 @@ class CudaKernel:
         if isinstance(kernel.handle, driver.CUkernel):
             Device(index).set_current()  # torch's primary context, current on this thread (a new thread has none)
             handle = function_of(handle)
-        return LeanLaunch(handle, grid, block, shared_bytes, cluster, kinds, maps)
+        return LeanLaunch(handle, grid, block, shared_bytes, cluster, kinds)
 
     def max_active_clusters(self, block: int, cluster: int, shared_bytes: int, index: int) -> int:
         """How many clusters of `cluster` blocks can run at once on device `index` (the

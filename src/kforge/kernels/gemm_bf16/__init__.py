@@ -28,7 +28,7 @@ from torch import nn
 
 from kforge.kernels import RungSource
 from kforge.runtime.cuda import CudaKernel, LaunchError
-from kforge.runtime.driver import TensorMapSlot
+from kforge.runtime.driver import TensorMaps
 
 HERE = Path(__file__).parent
 B_LAYOUTS = ("kn", "nk")
@@ -164,33 +164,30 @@ class _Plan:
                 kinds = ("ptr", "ptr", "ptr", "i32", "i32", "i32")
             else:
                 # K-major B: one box of BN rows (a cluster's CTAs each load their share); N-major: 64-column boxes.
+                b_rows, b_cols = (k, n) if b_layout == "kn" else (n, k)
                 b_box = (p["BN"] // cluster, p["BK"]) if b_layout == "nk" else (p["BK"], 64)
                 promote = dict(l2_promotion_bytes=TMA_L2_PROMOTION_BYTES)
-                self.maps = (TensorMapSlot("bfloat16", (p["BM"], p["BK"]), **promote),
-                             TensorMapSlot("bfloat16", b_box, **promote))
-                self.maps += (TensorMapSlot("bfloat16", (64, 64)),) if step.persistent else ()
+                self.maps = (TensorMaps("bfloat16", m, k, 2 * k, (p["BM"], p["BK"]), **promote),
+                             TensorMaps("bfloat16", b_rows, b_cols, 2 * b_cols, b_box, **promote))
+                self.maps += (TensorMaps("bfloat16", m, n, 2 * n, (64, 64)),) if step.persistent else ()
                 kinds = (("map", "map", "map", "i32", "i32", "i32", "i32", "ptr", "ptr") if step.persistent
                          else ("map", "map", "ptr", "i32", "i32", "i32"))
-            self.launch = kernel.lean(grid, step.threads(p), index, kinds=kinds, maps=self.maps,
-                                      shared_bytes=step.shared_bytes(p), cluster=(cluster, 1, 1) if cluster > 1 else None)
-        self.b_shape = (k, n) if b_layout == "kn" else (n, k)
-        self.m, self.n, self.k, self.index = m, n, k, index
+            self.launch = kernel.lean(grid, step.threads(p), index, kinds=kinds, shared_bytes=step.shared_bytes(p),
+                                      cluster=(cluster, 1, 1) if cluster > 1 else None)
+        partials, arrivals = (w.data_ptr() for w in self.workspace) if self.workspace else (0, 0)
+        self.tail = (m, n, k, self.splits, partials, arrivals) if step.persistent else (m, n, k)
+        self.index = index
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
-        m, n, k = self.m, self.n, self.k
         stream = torch._C._cuda_getCurrentRawStream(self.index)
         if not self.maps:
-            self.launch(stream, a.data_ptr(), b.data_ptr(), c.data_ptr(), m, n, k)
+            self.launch(stream, a.data_ptr(), b.data_ptr(), c.data_ptr(), *self.tail)
             return
-        a_map, b_map = self.maps[0], self.maps[1]
-        a_map.encode(a.data_ptr(), m, k, 2 * k)
-        b_map.encode(b.data_ptr(), *self.b_shape, 2 * self.b_shape[1])
+        a_map, b_map = self.maps[0].address_of(a.data_ptr()), self.maps[1].address_of(b.data_ptr())
         if len(self.maps) == 3:
-            self.maps[2].encode(c.data_ptr(), m, n, 2 * n)
-            partials, arrivals = (w.data_ptr() for w in self.workspace) if self.workspace else (0, 0)
-            self.launch(stream, m, n, k, self.splits, partials, arrivals)
+            self.launch(stream, a_map, b_map, self.maps[2].address_of(c.data_ptr()), *self.tail)
         else:
-            self.launch(stream, c.data_ptr(), m, n, k)
+            self.launch(stream, a_map, b_map, c.data_ptr(), *self.tail)
 
 
 _PLANS: dict[tuple, _Plan] = {}
