@@ -80,8 +80,8 @@ def nan_outputs(monkeypatch):
     to write shows instead of passing as leftover zeros or stale values."""
     empty, empty_like = torch.empty, torch.empty_like
 
-    def poison(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(float("nan")) if t.is_floating_point() else t
+    def poison(t: torch.Tensor) -> torch.Tensor:  # (not the leaves autograd tracks: torch.compile makes some)
+        return t.fill_(float("nan")) if t.is_floating_point() and not t.requires_grad else t
 
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: poison(empty(*args, **kwargs)))
     monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: poison(empty_like(*args, **kwargs)))

@@ -33,3 +33,27 @@ def test_tl_dot_is_exact_for_every_input_dtype(dtype):
     dot_kernel[(1,)](a, b, c, 16, 16, 32)
     expected = a.double() @ b.double()
     assert torch.allclose(c.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_to_bf16_casts_round_to_nearest_even_as_torch_does():
+    import triton
+    import triton.language as tl
+
+    from kforge.runtime.interpreter import mend_bf16_casts
+
+    mend_bf16_casts()
+
+    @triton.jit
+    def cast_kernel(x_ptr, y_ptr, N: tl.constexpr):
+        offsets = tl.arange(0, N)
+        tl.store(y_ptr + offsets, tl.load(x_ptr + offsets).to(tl.bfloat16))
+
+    one_ulp = 2.0**-7  # of bf16 at 1.0
+    special = [1 + one_ulp / 2, 1 + 1.5 * one_ulp, -(1 + one_ulp / 2), 1 + one_ulp * 0.51, 3.3895e38, -3.4e38,
+               float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-40]  # ties both ways, overflow, subnormal
+    x = torch.cat([torch.tensor(special), torch.randn(52) * 1000]).float()
+    y = torch.empty(64, dtype=torch.bfloat16)
+    cast_kernel[(1,)](x, y, 64)
+    expected = x.to(torch.bfloat16)
+    assert torch.equal(y.view(torch.int16)[~x.isnan()], expected.view(torch.int16)[~x.isnan()])
+    assert y[x.isnan()].isnan().all()

@@ -93,7 +93,7 @@ def bench_rows(records: Sequence[dict], baseline: str, label: Callable[[dict], s
 
 def size_constants(record: dict) -> dict[str, int]:
     """{"M": 16, ...} from a record's problem size "M=16,N=4096,K=4096"."""
-    return {k: int(v) for k, v in (part.split("=") for part in record["problem"]["size"].split(","))}
+    return {k: int(v) for k, v in (part.split("=") for part in record["problem"]["size"].split(",") if "=" in part)}
 
 
 def geomean(values: Sequence[float]) -> float | None:

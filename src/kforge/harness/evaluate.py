@@ -37,7 +37,7 @@ from kforge.harness.problem import SIZES, Problem, load_problem
 from kforge.harness.record import EvalRecord
 from kforge.harness.roofline import Ceilings, Roofline, get_ceilings, roofline_for
 from kforge.harness.timing import TimingConfig, TimingRun, time_interleaved
-from kforge.runtime.interpreter import interpreter_active, mend_bf16_dot
+from kforge.runtime.interpreter import interpreter_active, mend_interpreter
 
 BASELINES = ("eager", "compile")
 MIN_TRIALS = 5
@@ -96,7 +96,7 @@ def evaluate(
     if not device.is_cuda:
         run.warnings.append(CPU_NOTE)
         if interpreter_active():
-            mend_bf16_dot()
+            mend_interpreter()
         else:
             run.warnings.append("Triton was imported in compile mode, so Triton kernels cannot run on this "
                                 "CPU evaluation: import kforge before triton, or set TRITON_INTERPRET=1")
