@@ -6,6 +6,8 @@
 #   tests-serving bench-serving   (SERVING_SHAPES picks the serving groups, default all)
 #   profile-gemm (ncu of the GEMMs at 4096^3; not in the default)
 #   tests-gemm-bf16 variants-bf16 host-overhead   (the bf16 GEMM's GPU tests, device-time variants, host time per call)
+#   tests-quant bench-quant   (the quantized formats and kernels; QUANT_SHAPES picks bench groups, default all)
+#   suite-level1 suite-level2 suite-level3   (kforge's suites with its own solutions, vs eager and torch.compile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
@@ -54,6 +56,20 @@ fi
 if [[ $parts == *" host-overhead "* ]]; then
   python3 scripts/gemm_host_overhead.py 2>&1 | tee "$out/host-overhead.txt"
 fi
+if [[ $parts == *" tests-quant "* ]]; then
+  python3 -m pytest -q -m gpu tests/kernels/test_quant_formats.py tests/kernels/test_w4a16.py \
+    tests/kernels/test_nvfp4_gemv.py tests/kernels/test_fp8_gemm.py 2>&1 | tail -30 | tee "$out/pytest-gpu-quant.log"
+fi
+if [[ $parts == *" bench-quant "* ]]; then
+  python3 -m kforge bench quant --shapes "${QUANT_SHAPES:-all}" --results "$out/bench-quant.jsonl" 2>&1 \
+    | tee "$out/bench-quant.txt"
+fi
+for level in level1 level2 level3; do
+  if [[ $parts == *" suite-$level "* ]]; then
+    python3 -m kforge suite $level --solutions builtin --baseline both --time-budget "${SUITE_BUDGET:-2}" \
+      --results "$out/suite-$level.jsonl" 2>&1 | tail -80 | tee "$out/suite-$level.txt"
+  fi
+done
 if [[ $parts == *" tests-attention "* ]]; then
   python3 -m pytest -q -m gpu tests/kernels/test_attention.py 2>&1 | tail -25 | tee "$out/pytest-gpu-attention.log"
 fi

@@ -85,17 +85,60 @@ def eval_command(
     raise typer.Exit(record.exit_status)
 
 
+class SuiteBaseline(str, Enum):
+    eager = "eager"
+    compile = "compile"
+    both = "both"
+
+
+BUILTIN_LEVELS = ("level1", "level2", "level3")
+
+
+def _suite_pairs(problems: str, solutions: str, only: str | None):
+    """The pairs of a suite: PROBLEMS (a built-in level or a folder), --solutions (builtin or a
+    folder), restricted to the --only names."""
+    from kforge.harness.suite import discover
+
+    package = Path(__file__).parent
+    if problems in BUILTIN_LEVELS:
+        problems_dir = package / "problems" / problems
+    else:
+        problems_dir = Path(problems)
+    if solutions == "builtin":
+        if problems not in BUILTIN_LEVELS:
+            raise KforgeError(f"--solutions builtin needs PROBLEMS to be one of {', '.join(BUILTIN_LEVELS)}, "
+                              f"got {problems!r}")
+        solutions_dir = package / "solutions" / problems
+    else:
+        solutions_dir = Path(solutions)
+    pairs = discover(problems_dir, solutions_dir)
+    if only:
+        wanted = [name.strip() for name in only.split(",") if name.strip()]
+        unknown = sorted(set(wanted) - {pair.name for pair in pairs})
+        if unknown:
+            raise KforgeError(f"--only names no problem in {problems_dir}: {', '.join(unknown)} (problems: "
+                              f"{', '.join(pair.name for pair in pairs)})")
+        pairs = [pair for pair in pairs if pair.name in wanted]
+    return pairs
+
+
 @app.command("suite")
 def suite_command(
-    problems: Path = typer.Argument(..., help="Folder of problem files."),
-    solutions: Path = typer.Option(..., "--solutions", help="Folder of candidates: one per problem, same file name."),
+    problems: str = typer.Argument(..., help="level1, level2 or level3 (kforge's built-in suites), or a folder of "
+                                   "problem files (write ./level1 for a folder of that name)."),
+    solutions: str = typer.Option(..., "--solutions", help="builtin (kforge's own solutions to a built-in level), "
+                                  "or a folder of candidates: one per problem, same file name."),
+    only: str = typer.Option(None, "--only", help="Run only these problems, by file name without .py, separated "
+                             "by commas (e.g. softmax_bf16,topk_fp32).", show_default=False),
     gpus: str = typer.Option(None, help="GPUs to use, e.g. 0,1: one worker on each at a time. "
                              "Default: every visible GPU, or the CPU where there is none.", show_default=False),
     resume: bool = typer.Option(False, help="Continue the run stored in --results (it must exist)."),
     force: bool = typer.Option(False, help="Evaluate every pair again; new records are appended and "
                                "the latest counts."),
     results: Path = typer.Option(Path("kforge-suite.jsonl"), help="JSONL store of the suite's records."),
-    baseline: Baseline = typer.Option(Baseline.eager, help="What the candidates must beat."),
+    baseline: SuiteBaseline = typer.Option(SuiteBaseline.eager, help="What the candidates must beat: eager "
+                                           "PyTorch, torch.compile of the reference, or both (each pair runs "
+                                           "against each; a table and scores for each)."),
     time_budget: float = typer.Option(10.0, min=0.1, help="Seconds of timed rounds per pair at most."),
     size: Size = typer.Option(None, help="Problem size (default: full on a GPU, auto on a CPU).", show_default=False),
     stage_timeout: float = typer.Option(None, min=1.0, help="Seconds each stage (load, gate 1, gate 2) may take "
@@ -105,15 +148,18 @@ def suite_command(
 ) -> None:
     """Evaluate every problem in PROBLEMS against its solution; print fast_p and a table.
 
-    Pairs already in --results are skipped, so an interrupted suite resumes where it stopped.
+    `kforge suite level1 --solutions builtin` runs kforge's Level 1 suite with its own
+    solutions. Pairs already in --results are skipped, so an interrupted suite resumes where
+    it stopped; with --baseline both the eager and the torch.compile records share the store.
     """
     import json
     from dataclasses import asdict
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.text import Text
 
     from kforge.harness.isolation import StageLimits
-    from kforge.harness.suite import ResultStore, discover, run_suite
+    from kforge.harness.suite import ResultStore, run_suite
     from kforge.harness.timing import TimingConfig
     from kforge.views import suite_view
 
@@ -121,27 +167,40 @@ def suite_command(
         raise KforgeError("--resume and --force contradict each other: choose one")
     if resume and not results.is_file():
         raise KforgeError(f"nothing to resume: {results} does not exist")
-    pairs = discover(problems, solutions)
+    pairs = _suite_pairs(problems, solutions, only)
     slots, device_name = _slots(gpus)
     store = ResultStore(results)
-    options = dict(baseline=baseline.value, timing=TimingConfig(budget_s=time_budget),
-                   size=size.value if size else None,
-                   limits=StageLimits(stage_timeout, stage_timeout, stage_timeout) if stage_timeout else None)
+    baselines = ["eager", "compile"] if baseline is SuiteBaseline.both else [baseline.value]
+    summaries = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, disable=json_output) as progress:
-        task = progress.add_task("suite", total=len(pairs))
-        summary = run_suite(
-            pairs, store, slots=slots, device_name=device_name, force=force, options=options,
-            on_start=lambda pair, gpu: progress.update(task, description=f"{pair.name} on "
-                                                       + ("the CPU" if gpu is None else f"GPU {gpu}")),
-            on_done=lambda pair, record: progress.advance(task),
-        )
-        progress.update(task, completed=len(pairs), description="suite")
+        task = progress.add_task("suite", total=len(pairs) * len(baselines))
+        for against in baselines:
+            options = dict(baseline=against, timing=TimingConfig(budget_s=time_budget),
+                           size=size.value if size else None,
+                           limits=StageLimits(stage_timeout, stage_timeout, stage_timeout) if stage_timeout else None)
+            summaries[against] = run_suite(
+                pairs, store, slots=slots, device_name=device_name, force=force, options=options,
+                on_start=lambda pair, gpu, against=against: progress.update(
+                    task, description=f"{pair.name} vs {against} on " + ("the CPU" if gpu is None else f"GPU {gpu}")),
+                on_done=lambda pair, record: progress.advance(task),
+            )
+        progress.update(task, completed=len(pairs) * len(baselines), description="suite")
+
+    def as_json(summary):
+        return {"fast_p": {f"fast_{p:g}": v for p, v in summary.fast_p.items()},
+                "geomean_speedup": summary.geomean_speedup, "ran": summary.ran,
+                "rows": [asdict(row) for row in summary.rows]}
+
     if json_output:
-        print(json.dumps({"fast_p": {f"fast_{p:g}": v for p, v in summary.fast_p.items()},
-                          "geomean_speedup": summary.geomean_speedup, "ran": summary.ran,
-                          "rows": [asdict(row) for row in summary.rows]}))
-    else:
+        if len(baselines) == 1:
+            print(json.dumps(as_json(summaries[baselines[0]])))
+        else:
+            print(json.dumps({"baselines": {name: as_json(summary) for name, summary in summaries.items()}}))
+        return
+    for against, summary in summaries.items():
+        if len(baselines) > 1:
+            out.print(Text(f"against {'eager PyTorch' if against == 'eager' else 'torch.compile'}", style="bold"))
         out.print(suite_view(summary, device_name, str(results)))
 
 
@@ -209,13 +268,15 @@ class BenchFamily(str, Enum):
     gemm = "gemm"
     attention = "attention"
     serving = "serving"
+    quant = "quant"
 
 
 @app.command("bench")
 def bench_command(
-    family: BenchFamily = typer.Argument(..., help="What to benchmark: gemm, attention or serving."),
+    family: BenchFamily = typer.Argument(..., help="What to benchmark: gemm, attention, serving or quant."),
     shapes: str = typer.Option("all", help="all; for gemm also squares or llm; for serving an op group (norms, "
-                               "swiglu, rope, gemv, paged, norm_qkv, varlen); or a comma list of shape labels "
+                               "swiglu, rope, gemv, paged, norm_qkv, varlen); for quant a group (fp8, w4a16, "
+                               "nvfp4-gemv, nvfp4-gemm); or a comma list of shape labels "
                                "(gemm: 1024^3, '8B qkv M=16', ...; attention: 'full N=4096 D=128', "
                                "'causal N=512 D=64', ...)."),
     time_budget: float = typer.Option(1.0, min=0.1, help="Seconds of timed rounds per evaluation at most."),
@@ -228,7 +289,8 @@ def bench_command(
 ) -> None:
     """Our kernels against the best library over a sweep of shapes, in one run: GEMM vs
     cuBLAS (ours and Triton), attention vs SDPA's flash backend (ours, naive, cuDNN,
-    efficient), serving kernels vs eager PyTorch and torch.compile (GB/s, % of copy)."""
+    efficient), serving kernels vs eager PyTorch and torch.compile (GB/s, % of copy),
+    low-precision kernels vs torch._scaled_mm and bf16 cuBLAS on the same numbers."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from kforge.bench import bench_rows, run_bench, save_bench_chart
@@ -245,6 +307,10 @@ def bench_command(
         from kforge.bench import serving as bench
         every = bench.serving_shapes()
         groups, make_jobs, label = bench.serving_groups(every), bench.serving_jobs, bench.serving_label
+    elif family == BenchFamily.quant:
+        from kforge.bench import quant as bench
+        every = bench.quant_shapes()
+        groups, make_jobs, label = bench.quant_groups(every), bench.quant_jobs, bench.quant_label
     else:
         from kforge.bench import attention as bench
         every, groups = bench.attention_shapes(), {}
@@ -282,6 +348,12 @@ def bench_command(
         out.print(serving_bench_view(rows, title=title, results_path=results_path))
         bench.save_serving_chart(rows, chart, title=title)
         err.print(f"chart saved to {chart}", style="dim")
+        return
+    if family == BenchFamily.quant:
+        from kforge.views import quant_bench_view
+
+        title = f"low-precision kernels on {device_name}: ours vs the best PyTorch path on the same numbers"
+        out.print(quant_bench_view(bench.quant_rows(records), title=title, results_path=results_path))
         return
     rows = bench_rows(records, bench.BASELINE, label)
     if family == BenchFamily.gemm:
@@ -323,6 +395,28 @@ def trace_online_softmax_command(ctx: typer.Context) -> None:
     out.print(online_softmax_view(trace))
     if not trace.agrees():
         raise typer.Exit(1)
+
+
+@trace_app.command("accumulate")
+def trace_accumulate_command(
+    terms: int = typer.Option(64, min=1, max=4096, help="How many products near 1.0 to add up."),
+    seed: int = typer.Option(20, help="Seed of the products (20 reproduces the seed document's table)."),
+) -> None:
+    """Why the accumulator must be wide: products of e4m3 pairs near 1.0 summed step by step
+    with an FP8 (e4m3), an FP16 and an FP32 accumulator, each rounded after every add,
+    against the exact sum. FP8's step at 32 is 16: adding ~1 rounds back, and it freezes."""
+    from kforge.kernels.quant.trace import accumulate_trace, render_accumulate_trace
+
+    out.print(render_accumulate_trace(accumulate_trace(n_terms=terms, seed=seed)))
+
+
+@trace_app.command("formats")
+def trace_formats_command() -> None:
+    """Each quantized format's bits per value (scales included) and relative error against
+    bf16 on Gaussian and heavy-tailed weights and on activations with outlier channels."""
+    from kforge.kernels.quant.trace import format_error_table, render_format_error_table
+
+    out.print(render_format_error_table(format_error_table()))
 
 
 def parse_trace_args(tokens: list[str]) -> tuple[list[list[float]], list[float] | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from rich.console import Group
@@ -394,6 +395,8 @@ def results_markdown(root: Path) -> str:
                 lines += _bench_markdown(jsonl.stem, records)
             elif records and jsonl.stem == "bench-serving":
                 lines += _serving_markdown(records)
+            elif records and jsonl.stem.startswith("suite-"):
+                lines += _suite_scores_markdown(jsonl.stem, records) + _records_markdown(jsonl.stem, records)[2:]
             elif records:
                 lines += _records_markdown(jsonl.stem, records)
     return "\n".join(lines).rstrip() + "\n"
@@ -412,6 +415,23 @@ def _ceilings_markdown(ceilings: Ceilings) -> list[str]:
         out.append(f"| {dtype} matmul, TFLOP/s | {rate:,.1f} | {_num(peak, '{:,.1f}')} | "
                    f"{fmt_pct(100 * rate / peak) if peak else '-'} |")
     return out + [""]
+
+
+def _suite_scores_markdown(suite: str, records: list[dict]) -> list[str]:
+    """fast_p over the suite's problems, per baseline: the latest record of each problem counts."""
+    from kforge.harness.suite import CORRECT_STATUSES, FAST_P
+
+    out = [f"### {suite}", ""]
+    for baseline in sorted({r.get("baseline", "eager") for r in records}):
+        latest = {r["problem"]["name"]: r for r in records if r.get("baseline", "eager") == baseline}
+        speedups = {name: (r.get("gate2") or {}).get("speedup") if r["status"] in CORRECT_STATUSES else None
+                    for name, r in latest.items()}
+        correct = [v for v in speedups.values() if v]
+        scores = "  ".join(f"fast_{p:g} = {sum(1 for v in correct if v > p) / len(latest):.2f}" for p in FAST_P)
+        mean = math.exp(sum(math.log(v) for v in correct) / len(correct)) if correct else None
+        out += [f"Against {baseline}: {scores} ({len(correct)}/{len(latest)} correct; geometric-mean speedup of the "
+                f"correct {_num(mean, '{:.3f}x')}).", ""]
+    return out
 
 
 def _records_markdown(bench: str, records: list[dict]) -> list[str]:
@@ -519,3 +539,29 @@ def _ladder_markdown(bench: str, records: list[dict]) -> list[str]:
 
 def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
+
+
+def quant_bench_view(rows, *, title: str, results_path: str | None) -> Group:
+    """One line per (shape, method): our device time, TFLOP/s and GB/s on it, % of the roof
+    (the fp8 or bf16 matmul ceiling, or copy bandwidth on the packed bytes), the baseline's
+    device time and our speedup over it (harness time, same evaluation)."""
+    table = Table(title=title, title_justify="left")
+    for column in ("shape", "method", "ours device", "TFLOP/s", "GB/s", "% of roof", "baseline device", "speedup",
+                   "status"):
+        table.add_column(column, justify="left" if column in ("shape", "method", "status") else "right")
+    for r in rows:
+        ok = r.status in ("passed", "slower")
+        roof = r.pct_of_roof if ok else None
+        table.add_row(r.shape, r.method, fmt_ms(r.ours_device_ms), _num(r.tflops if ok else None, "{:,.0f}"),
+                      _num(r.gbps if ok else None, "{:,.0f}"),
+                      "-" if roof is None else f"{roof:.1f}% {'mm' if r.bound == 'compute' else 'copy'}",
+                      fmt_ms(r.baseline_device_ms), _num(r.speedup if ok else None, "{:.2f}x"),
+                      Text(r.status, style=None if ok else "red"))
+    note = ("ours device / baseline device: median device time per call; speedup: the baseline's median of max(device, "
+            "host) time over ours, timed interleaved in the same evaluation; % of roof from device time against the "
+            "measured matmul ceiling of the problem's dtype (mm) or the copy bandwidth on the problem's minimum bytes "
+            "(copy: the packed operands)")
+    parts = [table, Text(note, style="dim")]
+    if results_path:
+        parts.append(Text(f"records appended to {results_path}", style="dim"))
+    return Group(*parts)
