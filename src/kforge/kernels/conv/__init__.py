@@ -1,0 +1,1 @@
+"""Convolutions as implicit GEMMs on tensor cores."""

@@ -1,0 +1,1 @@
+"""Batched GEMM in Triton: one launch for a whole batch of independent products."""

@@ -1,0 +1,96 @@
+"""Routed tokens sorted by expert: the row layout the grouped GEMM reads.
+
+A router sends token t to top_k experts, topk_ids[t, j] with weight topk_weights[t, j].
+Call each (t, j) an assignment, numbered a = t * top_k + j. Expert e receives the n_e
+assignments with topk_ids = e (ragged; n_e may be 0). The grouped GEMM wants them as one
+matrix whose row tiles each belong to a single expert, so:
+
+- the assignments are sorted by expert, stably (within an expert, token order);
+- expert e's run starts at row P_e = sum_{e' < e} ceil(n_e' / align) * align: every run is
+  padded to a multiple of `align` rows (the largest tile height the GEMM uses), so a tile
+  of BM rows (BM dividing align) never straddles two experts;
+- per row, what the GEMM needs: the token it reads (`source_rows`), the assignment its
+  result belongs to (`dest_rows`: the output row a = t * top_k + j, or -1 on a padding
+  row, whose result is dropped), the routing weight (`weights`, 0 on padding), and per
+  block of `align` rows its expert (`block_experts`).
+
+Padding costs at most align - 1 rows an expert (E * (align - 1) rows in all, an upper
+bound the buffers are sized for); the rows actually used, `used_rows`, stay on the device.
+
+Everything is a handful of PyTorch ops that never wait for the device (no bincount, no
+nonzero, no .item(): those would stall the host until the router has run), so the GEMM
+launches queue behind them. Expert ids outside [0, E) are the caller's bug: scatter_add_
+refuses them (a device assert on CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """The assignments sorted by expert, each expert's run padded to `align` rows; `rows`
+    (the first dimension of every per-row tensor) is the padded upper bound."""
+
+    align: int
+    source_rows: torch.Tensor  # (rows,) int64: the token a row reads (0 on padding: any real row will do)
+    dest_rows: torch.Tensor  # (rows,) int32: the assignment t * top_k + j a row computes; -1 on padding
+    weights: torch.Tensor  # (rows,) fp32: the assignment's routing weight; 0 on padding
+    block_experts: torch.Tensor  # (rows // align,) int32: the expert of each block of `align` rows
+    used_rows: torch.Tensor  # (1,) int32: rows in use, sum_e ceil(n_e / align) * align
+    counts: torch.Tensor  # (E,) int64: assignments per expert
+
+    @property
+    def rows(self) -> int:
+        return self.source_rows.shape[0]
+
+
+def padded_rows(assignments: int, num_experts: int, align: int) -> int:
+    """Rows the padded layout may need: every expert's run rounded up to `align`, at worst."""
+    return -(-(assignments + num_experts * (align - 1)) // align) * align
+
+
+def check_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, align: int) -> None:
+    """Raise ValueError on routing the layout cannot take (ids are checked by scatter_add_)."""
+    if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be (tokens, top_k); got {tuple(topk_ids.shape)} and "
+                         f"{tuple(topk_weights.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
+        raise ValueError(f"topk_ids must be int32/int64 and topk_weights floating point; got {topk_ids.dtype} and "
+                         f"{topk_weights.dtype}")
+    if topk_ids.device != topk_weights.device:
+        raise ValueError(f"topk_ids ({topk_ids.device}) and topk_weights ({topk_weights.device}) are on different "
+                         f"devices")
+    if num_experts < 1 or align < 1:
+        raise ValueError(f"num_experts and align must be >= 1, got {num_experts} and {align}")
+
+
+def sort_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, align: int) -> ExpertRows:
+    """The padded expert-sorted layout of the assignments (see the module docstring)."""
+    check_routing(topk_ids, topk_weights, num_experts, align)
+    device = topk_ids.device
+    top_k = topk_ids.shape[1]
+    experts = topk_ids.reshape(-1).long()
+    assignments = experts.numel()
+    rows = padded_rows(assignments, num_experts, align)
+
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, experts,
+                                                                                      torch.ones_like(experts))
+    order = torch.argsort(experts, stable=True)  # assignment ids, expert by expert
+    run_ends = ((counts + align - 1) // align * align).cumsum(0)
+    run_starts = run_ends - (counts + align - 1) // align * align  # first padded row of each expert
+    sorted_starts = counts.cumsum(0) - counts  # first position of each expert in `order`
+    expert_of = experts[order]
+    row_of = run_starts[expert_of] + torch.arange(assignments, device=device) - sorted_starts[expert_of]
+
+    source_rows = torch.zeros(rows, dtype=torch.int64, device=device).index_copy_(0, row_of, order // top_k)
+    dest_rows = torch.full((rows,), -1, dtype=torch.int32, device=device).index_copy_(0, row_of, order.int())
+    weights = torch.zeros(rows, dtype=torch.float32, device=device).index_copy_(
+        0, row_of, topk_weights.reshape(-1)[order].float())
+    block_starts = torch.arange(0, rows, align, device=device)
+    # blocks past used_rows get E (clamped to a valid id): the GEMM never reaches them
+    block_experts = torch.searchsorted(run_ends, block_starts, right=True).clamp_(max=num_experts - 1).int()
+    return ExpertRows(align, source_rows, dest_rows, weights, block_experts, run_ends[-1:].int(), counts)
