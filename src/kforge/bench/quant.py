@@ -84,14 +84,15 @@ def quant_shapes() -> list[QuantShape]:
               for baseline, name in FP8_BASELINES.items()]
     for b, n, k in ((1, 4096, 4096), (1, 14336, 4096), (1, 4096, 14336), (1, 28672, 4096), (16, 14336, 4096),
                     (32, 4096, 4096)):
-        shapes.append(QuantShape("w4a16", f"W4A16 B={b} N={n} K={k} vs bf16 cuBLAS", PROBLEMS / "quant" / "w4a16_gemv.py",
-                                 {"B": b, "N": n, "K": k}, {"ours": OursW4a16}, ("w4a16.py",)))
+        shapes.append(QuantShape("w4a16", f"W4A16 B={b} N={n} K={k} vs bf16 cuBLAS",
+                                 PROBLEMS / "quant" / "w4a16_gemv.py", {"B": b, "N": n, "K": k}, {"ours": OursW4a16},
+                                 ("w4a16.py",)))
     for m, k, l in ((7168, 16384, 1), (4096, 7168, 8), (7168, 2048, 4)):
         shapes.append(QuantShape("nvfp4-gemv", f"NVFP4 GEMV M={m} K={k} L={l} vs dequant+bmm",
                                  PROBLEMS / "level1" / "nvfp4_batched_gemv.py", {"M": m, "K": k, "L": l},
                                  {"ours": OursNvfp4Gemv}, ("nvfp4_gemv.py",)))
-    shapes.append(QuantShape("nvfp4-gemm", "NVFP4 GEMM 4096x7168x16384 vs bf16 cuBLAS", PROBLEMS / "quant" / "nvfp4_gemm.py",
-                             {}, {"ours": OursNvfp4Gemm}, ("nvfp4_gemm.py",)))
+    shapes.append(QuantShape("nvfp4-gemm", "NVFP4 GEMM 4096x7168x16384 vs bf16 cuBLAS",
+                             PROBLEMS / "quant" / "nvfp4_gemm.py", {}, {"ours": OursNvfp4Gemm}, ("nvfp4_gemm.py",)))
     return shapes
 
 

@@ -100,7 +100,8 @@ class TensorMaps:
 
     def __init__(self, dtype: str, rows: int, cols: int, row_stride_bytes: int, box: Sequence[int], *,
                  swizzle_bytes: int = 128, l2_promotion_bytes: int = 0, capacity: int = 32):
-        self._dtype, self._swizzle, self._l2 = DATA_TYPES[dtype], SWIZZLES[swizzle_bytes], L2_PROMOTIONS[l2_promotion_bytes]
+        self._dtype, self._swizzle = DATA_TYPES[dtype], SWIZZLES[swizzle_bytes]
+        self._l2 = L2_PROMOTIONS[l2_promotion_bytes]
         self._dims = (ctypes.c_uint64 * 2)(cols, rows)  # innermost dimension first
         self._strides = (ctypes.c_uint64 * 1)(row_stride_bytes)
         self._box = (ctypes.c_uint32 * 2)(box[1], box[0])

@@ -135,8 +135,8 @@ def auto_splits(tiles: int, resident_ctas: int, k_tiles: int) -> int:
 
 class _Plan:
     """Everything about one launch that depends only on the shape, made once: the grid, the
-    prepared driver launch, and a tensor-map slot per operand (only the addresses change
-    from call to call). The per-call path is then a handful of ctypes calls: the harness
+    prepared driver launch, each operand's TMA descriptors kept by address (only the
+    addresses change from call to call), the split-K workspace. The per-call path is then a handful of ctypes calls: the harness
     times each call as max(device, host), and at small shapes the host side was the call."""
 
     def __init__(self, step: Rung, b_layout: str, defines: Mapping[str, int] | None, m: int, n: int, k: int,
@@ -149,13 +149,16 @@ class _Plan:
                 tiles = _cdiv(_cdiv(m, p["BM"]), cluster) * cluster * _cdiv(n, p["BN"])  # CTA tiles, with padding
                 resident = kernel.max_active_clusters(step.threads(p), cluster, step.shared_bytes(p), index)
                 if split_k is not None and not p["SPLIT_K"]:
-                    raise LaunchError(f"gemm_bf16: split_k needs a variant compiled with SPLIT_K=1, e.g. {SPLIT_K_VARIANT}")
-                self.splits = split_k or (auto_splits(tiles, resident * cluster, _cdiv(k, p["BK"])) if p["SPLIT_K"] else 1)
+                    raise LaunchError(f"gemm_bf16: split_k needs a variant compiled with SPLIT_K=1, "
+                                      f"e.g. {SPLIT_K_VARIANT}")
+                auto = auto_splits(tiles, resident * cluster, _cdiv(k, p["BK"])) if p["SPLIT_K"] else 1
+                self.splits = split_k or auto
                 grid = (min(tiles // cluster * self.splits, resident) * cluster,)
                 if self.splits > 1:  # per 64-row slice of a tile, one 64 x BN fp32 partial per split; counters
                     slices = tiles * p["BM"] // 64
                     where = torch.device("cuda", index)
-                    self.workspace = (torch.empty(slices * self.splits * 64 * p["BN"], dtype=torch.float32, device=where),
+                    self.workspace = (torch.empty(slices * self.splits * 64 * p["BN"], dtype=torch.float32,
+                                                  device=where),
                                       torch.zeros(slices, dtype=torch.int32, device=where))
             else:
                 grid = (_cdiv(n, p["BN"]), _cdiv(m, p["BM"]))
@@ -204,7 +207,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layo
         raise LaunchError(f"gemm_bf16: split_k must be a positive int and the rung persistent (4 or 5), got "
                           f"split_k={split_k!r} for rung {step.label}")
     # The common case in a few attribute reads; anything unusual takes the full check and its message.
-    if (not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dtype is not torch.bfloat16 or b.dtype is not torch.bfloat16 or not a.is_cuda or a.device != b.device
+    if (not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dtype is not torch.bfloat16
+            or b.dtype is not torch.bfloat16 or not a.is_cuda or a.device != b.device
             or not (a.is_contiguous() and b.is_contiguous()) or (a.data_ptr() | b.data_ptr()) & 15
             or a.dim() != 2 or b.dim() != 2 or b_layout not in B_LAYOUTS):
         _check(a, b, b_layout)
