@@ -1,11 +1,13 @@
 """Device time of the bf16 CUDA rungs' variants against cuBLAS, shape by shape (H100).
 
-    PYTHONPATH=src python scripts/gemm_bf16_variants.py [ROUNDS]
+    PYTHONPATH=src python scripts/gemm_bf16_variants.py [ROUNDS] [SET]
 
 Each variant is timed after a reading L2 flush, interleaved with cuBLAS every round,
-medians of CUDA event times (no host time: this is the kernel alone). Variants: rungs 4
-and 5 with the TMA descriptors' L2 promotion off / 128 B / 256 B at 4096^3; at the shapes
-with fewer 128 x 256 tiles than SMs, rung 4 as it is against its split-K variant.
+medians of CUDA event times (no host time: this is the kernel alone). SET "split"
+(default): rungs 4 and 5 with the TMA descriptors' L2 promotion off / 128 B / 256 B at
+4096^3, and at the shapes with fewer 128 x 256 tiles than SMs rung 4 as it is against its
+split-K variant. SET "epilogue": rung 4 against its epilogue variants (two slice buffers,
+a whole-tile buffer at 3 stages) and rung 6 (ping-pong) at large squares and LLM shapes.
 """
 
 import statistics
@@ -22,7 +24,18 @@ SINK = torch.zeros((), dtype=torch.int64, device="cuda")
 SPLIT = gemm_bf16.SPLIT_K_VARIANT
 
 
-def variants(m, n, k):
+EPILOGUE = [("rung 4 2 x 64-wide buffers", 4, {"EPI_COLS": 64, "EPI_BUFFERS": 2}),
+            ("rung 4 3 stages 256-wide", 4, {"STAGES": 3, "EPI_COLS": 256}),
+            ("rung 4 3 stages 2 x 128-wide", 4, {"STAGES": 3, "EPI_BUFFERS": 2}),
+            ("rung 6", 6, {})]
+
+
+def variants(m, n, k, which="split"):
+    if which == "epilogue":
+        yield "rung 4", dict(step=4), 0
+        for name, number, defines in EPILOGUE:
+            yield name, dict(step=number, defines=defines), 0
+        return
     if m == n == k == 4096:
         for promotion in (0, 128, 256):
             for number in (4, 5):
@@ -34,13 +47,13 @@ def variants(m, n, k):
         yield f"rung 4 split-K {splits}", dict(step=4, defines=SPLIT, split_k=splits), 0
 
 
-def time_shape(m, n, k, b_layout, rounds):
+def time_shape(m, n, k, b_layout, rounds, which="split"):
     a = torch.randn(m, k, device="cuda").bfloat16()
     b = torch.randn(*((k, n) if b_layout == "kn" else (n, k)), device="cuda").bfloat16()
     bt = b if b_layout == "kn" else b.t()
     want = a.float() @ bt.float()
     fns = {"cuBLAS": lambda: torch.matmul(a, bt)}
-    for name, kwargs, promotion in variants(m, n, k):
+    for name, kwargs, promotion in variants(m, n, k, which):
         gemm_bf16.TMA_L2_PROMOTION_BYTES = promotion
         gemm_bf16._PLANS.clear()
         got = gemm_bf16.gemm(a, b, b_layout=b_layout, **kwargs).float()  # the plan is made (and kept) here
@@ -68,10 +81,15 @@ def time_shape(m, n, k, b_layout, rounds):
         print(f"{name:34s} {ms * 1e3:8.1f} us {2 * m * n * k / ms / 1e9:6.0f} TFLOP/s {cublas / ms:6.3f}x cuBLAS")
 
 
-SHAPES = [(4096, 4096, 4096, "kn"), (1024, 1024, 1024, "kn"), (16, 4096, 4096, "nk"), (128, 4096, 14336, "nk"),
-          (16, 8192, 28672, "nk"), (128, 10240, 8192, "nk"), (16, 6144, 4096, "nk")]
+SHAPES = {
+    "split": [(4096, 4096, 4096, "kn"), (1024, 1024, 1024, "kn"), (16, 4096, 4096, "nk"), (128, 4096, 14336, "nk"),
+              (16, 8192, 28672, "nk"), (128, 10240, 8192, "nk"), (16, 6144, 4096, "nk")],
+    "epilogue": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (8192, 8192, 8192, "kn"), (2048, 2048, 2048, "kn"),
+                 (4096, 14336, 4096, "nk"), (4096, 4096, 14336, "nk"), (16384, 4096, 4096, "nk")],
+}
 
 if __name__ == "__main__":
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 50
-    for shape in SHAPES:
-        time_shape(*shape, rounds)
+    which = sys.argv[2] if len(sys.argv) > 2 else "split"
+    for shape in SHAPES[which]:
+        time_shape(*shape, rounds, which)

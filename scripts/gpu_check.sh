@@ -5,7 +5,8 @@
 #   tests-attention sweep-attention bench-attention   ("tests" already includes tests-attention)
 #   tests-serving bench-serving   (SERVING_SHAPES picks the serving groups, default all)
 #   profile-gemm (ncu of the GEMMs at 4096^3; not in the default)
-#   tests-gemm-bf16 variants-bf16 host-overhead   (the bf16 GEMM's GPU tests, device-time variants, host time per call)
+#   tests-gemm-bf16 variants-bf16 host-overhead   (the bf16 GEMM's GPU tests, device-time variants (VARIANT_SET
+#                                                  split or epilogue, VARIANT_ROUNDS), host time per call)
 #   tests-quant bench-quant   (the quantized formats and kernels; QUANT_SHAPES picks bench groups, default all)
 #   suite-level1 suite-level2 suite-level3   (kforge's suites with its own solutions, vs eager and torch.compile)
 set -uo pipefail
@@ -51,7 +52,7 @@ if [[ $parts == *" tests-gemm-bf16 "* ]]; then
   python3 -m pytest -q -m gpu tests/kernels/test_gemm_bf16.py 2>&1 | tail -25 | tee "$out/pytest-gpu-gemm-bf16.log"
 fi
 if [[ $parts == *" variants-bf16 "* ]]; then
-  python3 scripts/gemm_bf16_variants.py 2>&1 | tee "$out/gemm-bf16-variants.txt"
+  python3 scripts/gemm_bf16_variants.py "${VARIANT_ROUNDS:-50}" "${VARIANT_SET:-split}" 2>&1 | tee "$out/gemm-bf16-variants.txt"
 fi
 if [[ $parts == *" host-overhead "* ]]; then
   python3 scripts/gemm_host_overhead.py 2>&1 | tee "$out/host-overhead.txt"

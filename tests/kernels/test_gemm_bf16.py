@@ -49,7 +49,8 @@ def test_the_ampere_rung_assembles_to_mma_sync_ldmatrix_and_cp_async_without_spi
 def test_hopper_rungs_assemble_to_wgmma_and_tma_without_spills(step, b_layout):
     cubin = compile_cuda(step.source, arch="sm_90a", defines={"B_KMAJOR": int(b_layout == "nk")})
     code = sass(cubin)
-    assert re.search(r"\bHGMMA\.64x256x16\.F32\.BF16\b", code), "no wgmma in the machine code"
+    tile_n = step.parameters()["BN"]
+    assert re.search(rf"\bHGMMA\.64x{tile_n}x16\.F32\.BF16\b", code), "no wgmma in the machine code"
     assert "UTMALDG" in code, "no TMA loads"
     if b_layout == "kn":
         assert ".tnspB" in code, "a K x N B must be read N-major (transposed) by wgmma"

@@ -7,7 +7,9 @@
 // counters carry on across tiles, so there is no prologue bubble per tile. Results go
 // registers -> swizzled shared memory (conflict-free) -> one bulk tensor store per
 // 64 x 64 box, replacing rung 3's scattered 4-byte global stores. The tile leaves in
-// EPI_COLS-wide slices through one small buffer, which leaves room for a 4th stage.
+// EPI_COLS-wide slices through one small buffer, which leaves room for a 4th stage. With
+// EPI_BUFFERS 2 the slices alternate between two buffers, so a slice waits only for the
+// store two slices back, not for the one just issued (same shared memory at half the width).
 // Also here, compiled out at CLUSTER_M 1: rung 5's thread-block clusters (see 05_clusters.cu).
 // Split-K, for shapes with fewer tiles than SMs (skinny M, or 1024^3: 32 tiles on 132 SMs):
 // compiled in with SPLIT_K 1 (its registers do not fit beside a 128 x 256 tile's
@@ -35,6 +37,9 @@
 #ifndef EPI_COLS
 #define EPI_COLS 128  // the epilogue stores the tile in slices this wide (less shared memory, more stages)
 #endif
+#ifndef EPI_BUFFERS
+#define EPI_BUFFERS 1  // epilogue slice buffers per consumer: 2 lets one slice fill while the last is stored
+#endif
 #ifndef GROUP_M
 #define GROUP_M 8
 #endif
@@ -52,7 +57,7 @@
 #define NUM_THREADS (128 * (CONSUMERS + 1))
 #define A_TILE (BM * BK)
 #define B_TILE (BN * BK)
-#define C_TILE (64 * EPI_COLS)  // one consumer's epilogue buffer: a slice of its 64 x BN share
+#define C_TILE (64 * EPI_COLS * EPI_BUFFERS)  // one consumer's epilogue buffers: slices of its 64 x BN share
 #define STAGE_BYTES ((A_TILE + B_TILE) * 2)
 #define SHARED_BYTES (STAGES * STAGE_BYTES + CONSUMERS * C_TILE * 2 + 1024 + 2 * STAGES * 8)
 #define B_CHUNKS (BN / 64)  // 64-column boxes of an N-major B tile
@@ -60,6 +65,7 @@ static_assert(BK == 64, "the swizzle atom is one 64-value row");
 static_assert(SHARED_BYTES <= 227 * 1024, "fits one block's shared memory");
 static_assert(CONSUMERS == 2, "the register split below is for one producer and two consumers");
 static_assert(BN % EPI_COLS == 0 && EPI_COLS % 64 == 0, "the epilogue slices the tile into 64-column boxes");
+static_assert(EPI_BUFFERS == 1 || EPI_BUFFERS == 2, "one epilogue buffer, or two in turn");
 static_assert(B_CHUNKS % CLUSTER_M == 0, "each CTA of a cluster loads an equal share of B");
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
@@ -209,16 +215,18 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
 #endif
 
             // Epilogue, slice by slice: wait until the buffer's previous store has read it, fill it, store it.
+            // Stores complete in order, so with two buffers "all but the latest group" is this buffer's.
 #pragma unroll
             for (int first = 0; first < BN; first += EPI_COLS) {
-                if (thread == 0) bulk_wait_read();
+                bf16_bits* slice = c_tile + (first / EPI_COLS) % EPI_BUFFERS * 64 * EPI_COLS;
+                if (thread == 0) bulk_wait_read<EPI_BUFFERS - 1>();
                 named_barrier(1 + consumer, 128);
-                store_cols_swizzled<BN, EPI_COLS>(acc, c_tile, first);
+                store_cols_swizzled<BN, EPI_COLS>(acc, slice, first);
                 fence_proxy_async();
                 named_barrier(1 + consumer, 128);
                 if (thread == 0) {
                     for (int c = 0; c < EPI_COLS / 64; ++c)
-                        tma_store_2d(c_map, c_tile + c * 64 * 64, col0 + first + 64 * c, row0 + consumer * 64);
+                        tma_store_2d(c_map, slice + c * 64 * 64, col0 + first + 64 * c, row0 + consumer * 64);
                     bulk_commit();
                 }
             }

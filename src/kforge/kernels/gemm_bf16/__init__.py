@@ -42,8 +42,9 @@ def _stage_bytes(p: Mapping[str, int]) -> int:
     return (p["BM"] + p["BN"]) * p["BK"] * 2
 
 
-def _persistent_bytes(p: Mapping[str, int]) -> int:  # the stages, one epilogue slice per consumer, barriers
-    return p["STAGES"] * _stage_bytes(p) + p["BM"] * p["EPI_COLS"] * 2 + 1024 + 2 * p["STAGES"] * 8
+def _persistent_bytes(p: Mapping[str, int]) -> int:  # the stages, the consumers' epilogue slices, barriers
+    epilogue = p["BM"] * p["EPI_COLS"] * p.get("EPI_BUFFERS", 1) * 2
+    return p["STAGES"] * _stage_bytes(p) + epilogue + 1024 + 2 * p["STAGES"] * 8
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ RUNGS: tuple[Rung, ...] = (
          _persistent_bytes, True),
     Rung(5, "clusters", lambda p: 128 * (p["BM"] // 64 + 1),
          _persistent_bytes, True),
+    # one producer and two consumers, each consumer a whole BM x BN tile; two turn barriers
+    Rung(6, "pingpong", lambda p: 384, lambda p: _persistent_bytes(p) + 16, True),
 )
 
 
@@ -148,10 +151,10 @@ class _Plan:
             if step.persistent:
                 tiles = _cdiv(_cdiv(m, p["BM"]), cluster) * cluster * _cdiv(n, p["BN"])  # CTA tiles, with padding
                 resident = kernel.max_active_clusters(step.threads(p), cluster, step.shared_bytes(p), index)
-                if split_k is not None and not p["SPLIT_K"]:
+                if split_k is not None and not p.get("SPLIT_K"):
                     raise LaunchError(f"gemm_bf16: split_k needs a variant compiled with SPLIT_K=1, "
                                       f"e.g. {SPLIT_K_VARIANT}")
-                auto = auto_splits(tiles, resident * cluster, _cdiv(k, p["BK"])) if p["SPLIT_K"] else 1
+                auto = auto_splits(tiles, resident * cluster, _cdiv(k, p["BK"])) if p.get("SPLIT_K") else 1
                 self.splits = split_k or auto
                 grid = (min(tiles // cluster * self.splits, resident) * cluster,)
                 if self.splits > 1:  # per 64-row slice of a tile, one 64 x BN fp32 partial per split; counters
@@ -279,4 +282,7 @@ SWEEP: tuple[tuple[int, dict[str, int]], ...] = (
     (4, SPLIT_K_VARIANT),
     (5, {}),
     (5, {"STAGES": 4, "EPI_COLS": 64}),
+    (4, {"EPI_COLS": 64, "EPI_BUFFERS": 2}),
+    (6, {}),
+    (6, {"EPI_COLS": 128}),
 )

@@ -91,8 +91,12 @@ __device__ __forceinline__ void tma_store_2d(const TensorMap& map, const void* s
                  : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// Wait until the committed stores have finished reading shared memory (not until they land).
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Wait until the committed stores, all but the PENDING most recent groups, have finished
+// reading shared memory (not until they land).
+template <int PENDING = 0>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(PENDING) : "memory");
+}
 // Ordinary shared-memory stores, made visible to the copy engine (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
