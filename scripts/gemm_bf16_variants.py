@@ -8,6 +8,8 @@ medians of CUDA event times (no host time: this is the kernel alone). SET "split
 4096^3, and at the shapes with fewer 128 x 256 tiles than SMs rung 4 as it is against its
 split-K variant. SET "epilogue": rung 4 against its epilogue variants (two slice buffers,
 a whole-tile buffer at 3 stages) and rung 6 (ping-pong) at large squares and LLM shapes.
+SET "shortk": rungs 4, 5, 6 and 128 x 128 tiles on the GEMMs of GPT-2 small and ViT-L
+(K 768-4096, the LM head's N 50304), where the epilogue weighs most.
 """
 
 import statistics
@@ -28,12 +30,14 @@ EPILOGUE = [("rung 4 2 x 64-wide buffers", 4, {"EPI_COLS": 64, "EPI_BUFFERS": 2}
             ("rung 4 3 stages 256-wide", 4, {"STAGES": 3, "EPI_COLS": 256}),
             ("rung 4 3 stages 2 x 128-wide", 4, {"STAGES": 3, "EPI_BUFFERS": 2}),
             ("rung 6", 6, {})]
+SHORT_K = [("rung 5", 5, {}), ("rung 6", 6, {}), ("rung 6 EPI_COLS 128", 6, {"EPI_COLS": 128}),
+           ("rung 4 128 x 128", 4, {"BN": 128, "STAGES": 6, "EPI_COLS": 64})]
 
 
 def variants(m, n, k, which="split"):
-    if which == "epilogue":
+    if which in ("epilogue", "shortk"):
         yield "rung 4", dict(step=4), 0
-        for name, number, defines in EPILOGUE:
+        for name, number, defines in EPILOGUE if which == "epilogue" else SHORT_K:
             yield name, dict(step=number, defines=defines), 0
         return
     if m == n == k == 4096:
@@ -84,6 +88,8 @@ def time_shape(m, n, k, b_layout, rounds, which="split"):
 SHAPES = {
     "split": [(4096, 4096, 4096, "kn"), (1024, 1024, 1024, "kn"), (16, 4096, 4096, "nk"), (128, 4096, 14336, "nk"),
               (16, 8192, 28672, "nk"), (128, 10240, 8192, "nk"), (16, 6144, 4096, "nk")],
+    "shortk": [(8192, 50304, 768, "nk"), (8192, 2304, 768, "nk"), (8192, 768, 768, "nk"), (8192, 768, 3072, "nk"),
+               (12608, 3072, 1024, "nk"), (12608, 1024, 1024, "nk"), (12608, 1024, 4096, "nk")],
     "epilogue": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (8192, 8192, 8192, "kn"), (2048, 2048, 2048, "kn"),
                  (4096, 14336, 4096, "nk"), (4096, 4096, 14336, "nk"), (16384, 4096, 4096, "nk")],
 }

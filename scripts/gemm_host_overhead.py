@@ -49,7 +49,7 @@ def parts(n: int) -> None:
         "torch.matmul (cuBLAS), same buffers": lambda i: torch.matmul(*pool[i % 4]),
         "  ours: a tensor map found (address seen before)": lambda i: plan.maps[0].address_of(pool[i % 4][0].data_ptr()),
         "  ours: a tensor map encoded (ctypes)": lambda i: one_slot.address_of(pool[i % 2][0].data_ptr()),
-        "  ours: the launch alone (ctypes)": lambda i: plan.launch(stream, *descriptors, *plan.tail),
+        "  ours: the launch alone (ctypes)": lambda i: plan.launch(stream, *descriptors, *plan.tail, 0, 0),
         "  ours: plan(a, b, c) (3 lookups + launch)": lambda i: plan(a, b, c),
         "  torch.empty((n, n)) for C": lambda i: torch.empty((n, n), dtype=torch.bfloat16, device="cuda"),
     }

@@ -44,9 +44,16 @@ def profile(name: str, calls: int, top: int) -> None:
             models[label] = factory(*problem.get_init_inputs()).cuda()
     inputs = [t.cuda() if isinstance(t, torch.Tensor) else t for t in problem.get_inputs()]
     with torch.no_grad():
-        for model in models.values():
-            for _ in range(3):
+        for label, model in models.items():
+            peaks = []
+            for _ in range(3):  # the first call compiles, autotunes (and captures a graph, where one is used)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
                 model(*inputs)
+                torch.cuda.synchronize()
+                peaks.append(f"{torch.cuda.max_memory_allocated() / 1e9:.2f}")
+            print(f"{name:32s} {label:10s} peak GB allocated in calls 1-3: {', '.join(peaks)}; "
+                  f"held after: {torch.cuda.memory_allocated() / 1e9:.2f} GB", flush=True)
         torch.cuda.synchronize()
         for label, model in models.items():
             host, device = _times(model, inputs, calls)

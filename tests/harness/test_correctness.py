@@ -281,6 +281,30 @@ def test_compare_outputs_reports_errors_against_float64(problem_path):
     assert result.rel_l2_err == pytest.approx(((0.004**2 + 1e-10) ** 0.5) / 21**0.5, rel=1e-3)
 
 
+def test_compare_outputs_in_chunks_reports_what_one_pass_reports(problem_path, monkeypatch):
+    """Outputs are compared COMPARE_CHUNK elements at a time (bounded float64 temporaries): every
+    figure, the first bad element's index and the values quoted must not depend on the chunk."""
+    from kforge.harness import correctness
+
+    problem = load_problem(problem_path("add"))
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(5, 7, 3, generator=g)
+    out = ref + 1e-6 * torch.randn(ref.shape, generator=g)
+    out[3, 2, 1] += 0.5
+    out[4, 6, 0] -= 0.25
+    nonfinite = out.clone()
+    nonfinite[2, 5, 2] = float("inf")
+    whole = [compare_outputs(ref, x, problem) for x in (out, nonfinite)]
+    monkeypatch.setattr(correctness, "COMPARE_CHUNK", 4)  # 105 elements: 27 chunks, the last short
+    chunked = [compare_outputs(ref, x, problem) for x in (out, nonfinite)]
+    for a, b in zip(whole, chunked):
+        assert (a.ok, a.failure, a.reason, a.mismatch_frac) == (b.ok, b.failure, b.reason, b.mismatch_frac)
+        assert (a.max_abs_err, a.max_rel_err) == (b.max_abs_err, b.max_rel_err)
+        assert a.rel_l2_err == pytest.approx(b.rel_l2_err, rel=1e-12)
+    assert "at (3, 2, 1)" in whole[0].reason and "2 / 105" not in whole[0].reason
+    assert whole[0].mismatch_frac == pytest.approx(2 / 105) and "first at (2, 5, 2)" in whole[1].reason
+
+
 def test_nan_in_both_outputs_is_agreement(problem_path):
     problem = load_problem(problem_path("add"))
     ref = torch.tensor([float("nan"), 1.0])

@@ -74,6 +74,39 @@ def test_sweep_variants_compile_without_spills_and_fit_shared_memory():
             assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0), (number, defines)
 
 
+@pytest.mark.parametrize("b_kmajor", [0, 1])
+def test_fused_epilogues_compile_without_spills_with_two_mufu_ops_a_value(b_kmajor):
+    """Rung 4's bias/activation/residual combinations: no spills at the 168-register cap, and the
+    activations evaluated branch-free: one ex2 and one reciprocal per value (128 per thread:
+    a 64 x 256 share over 128 threads), not libdevice's erff."""
+    step = rung(4)
+    plain_loads = sass(compile_cuda(step.source, arch="sm_90a", defines={"B_KMAJOR": b_kmajor})).count("LDG")
+    for bias, residual in ((0, 0), (1, 0), (1, 1), (0, 1)):
+        for name, act in gemm_bf16.ACTIVATIONS.items():
+            if not (bias or act or residual) or (residual and act not in (0, 2)):  # (the models' combinations)
+                continue
+            cubin = compile_cuda(step.source, arch="sm_90a", defines={"B_KMAJOR": b_kmajor, "EPI_BIAS": bias,
+                                                                      "EPI_ACT": act, "EPI_RESIDUAL": residual})
+            used = resources(cubin)["gemm"]
+            assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0), (bias, name, residual)
+            code = sass(cubin)
+            assert len(re.findall(r"\bMUFU\.EX2\b", code)) == (128 if act else 0), (bias, name)
+            assert (code.count("LDG") > plain_loads) == bool(bias or residual), "the epilogue's only global loads"
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda: gemm(_bf16(4, 16), _bf16(16, 8), 4, activation="relu"), "activation must be one of"),
+    (lambda: gemm(_bf16(4, 16), _bf16(16, 8), 3, activation="gelu"), "needs a persistent rung"),
+    (lambda: gemm(_bf16(4, 16), _bf16(16, 8), 4, bias=_bf16(16)), r"bias must be .* of shape \(8,\)"),
+    (lambda: gemm(_bf16(4, 16), _bf16(16, 8), 4, bias=torch.ones(8)), "bias must be .*bf16"),
+    (lambda: gemm(_bf16(4, 16), _bf16(8, 16), 4, b_layout="nk", bias=_bf16(16)), r"shape \(8,\)"),
+    (lambda: gemm(_bf16(4, 16), _bf16(16, 8), 4, residual=_bf16(8, 4)), r"residual must be .* shape \(4, 8\)"),
+])
+def test_bad_epilogue_arguments_are_refused_before_any_kernel_runs(bad, message):
+    with pytest.raises(LaunchError, match=message):
+        bad()
+
+
 def test_split_k_fills_idle_sms_only_and_keeps_enough_k_per_split():
     from kforge.kernels.gemm_bf16 import MIN_K_TILES_PER_SPLIT, auto_splits
 
@@ -152,8 +185,11 @@ def test_ops_matmul_picks_split_k_where_big_tiles_leave_sms_idle():
     assert best_kernel(1024, 1024, 1024) == (4, gemm_bf16.SPLIT_K_VARIANT)  # 32 tiles of 128 x 256
     assert best_kernel(16, 4096, 14336) == (4, gemm_bf16.SPLIT_K_VARIANT)
     assert best_kernel(16, 28672, 4096) == (4, {})  # 112 tiles: most SMs busy, one row tile
-    assert best_kernel(4096, 4096, 4096) == (5, {})
-    assert best_kernel(2048, 2048, 2048) == (5, {})  # 128 tiles
+    assert best_kernel(4096, 4096, 4096) == (4, {})
+    assert best_kernel(2048, 2048, 2048) == (4, {})  # 128 tiles
+    assert best_kernel(8192, 50304, 768) == (6, {})  # short K: the epilogue weighs
+    assert best_kernel(8192, 768, 3072) == (6, {})  # 192 tiles: 1.45 waves
+    assert best_kernel(12608, 1024, 4096) == (4, {})  # 396 tiles: 3.0 waves
     assert best_kernel(16, 4096, 4096, sms=8) == (4, {})  # a smaller GPU fills up sooner
 
 
@@ -233,6 +269,32 @@ def test_split_k_sums_every_split_once_and_leaves_the_counters_ready(m, n, k, sp
         assert int(plan.workspace[1].abs().sum()) == 0
     with pytest.raises(LaunchError, match="SPLIT_K=1"):
         gemm(a, b, 4, b_layout=b_layout, split_k=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("number, defines", [(4, {}), (4, gemm_bf16.SPLIT_K_VARIANT), (6, {})],
+                         ids=["rung4", "rung4-split-k", "rung6"])
+@pytest.mark.parametrize("activation", list(gemm_bf16.ACTIVATIONS))
+def test_fused_epilogue_matches_float64_on_odd_shapes(number, defines, activation):
+    """act(a @ b + bias) [+ residual] against float64, outputs ~N(0, 1) so every activation's
+    curve is exercised, with and without the bias and the residual, both layouts; rows and
+    columns past C read no bias or residual."""
+    torch.manual_seed(5)
+    for b_layout in gemm_bf16.B_LAYOUTS:
+        for m, n, k in [(67, 48, 72), (257, 264, 4104), (300, 1032, 520)]:
+            a, b, product = _operands(m, n, k, b_layout)
+            a, product = a / k**0.5, product / k**0.5  # (a power of two apart only when k is: rescale exactly)
+            a = a.to(torch.bfloat16)
+            product = a.double() @ (b.double() if b_layout == "kn" else b.double().t())
+            residual = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+            for bias, res in ((None, None), (torch.randn(n, device="cuda").to(torch.bfloat16), None),
+                              (torch.randn(n, device="cuda").to(torch.bfloat16), residual), (None, residual)):
+                got = gemm(a, b, number, b_layout=b_layout, defines=defines, bias=bias, activation=activation,
+                           residual=res)
+                want = gemm_bf16._epilogue_reference(product, bias, activation, res)
+                assert not got.isnan().any()
+                err = ((got.double() - want).abs() / (1 + want.abs())).max().item()
+                assert err < 1e-2, (b_layout, (m, n, k), bias is not None, res is not None, err)
 
 
 @pytest.mark.gpu

@@ -27,6 +27,8 @@ from kforge.harness.defences import OpRecorder, check_forbidden, poison, poisone
 from kforge.harness.loading import synchronize
 from kforge.harness.problem import Problem, flatten_outputs
 
+COMPARE_CHUNK = 1 << 24  # elements compared at a time (16 Mi: ~130 MB per float64 temporary)
+
 
 @dataclass
 class Comparison:
@@ -185,39 +187,65 @@ def _compare_leaf(ref, out, label: str, problem: Problem) -> Comparison:
 
     atol, rtol = problem.tolerance_for(ref.dtype)
     wide = torch.complex128 if ref.is_complex() else torch.float64
-    r, o = ref.detach().to(wide), out.detach().to(wide)
-    ref_finite, out_finite = torch.isfinite(r), torch.isfinite(o)
-    new_nonfinite = out_finite.logical_not() & ref_finite
-    if bool(new_nonfinite.any()):
+    flat_ref, flat_out = ref.detach().reshape(-1), out.detach().reshape(-1)
+    zero = torch.zeros((), dtype=torch.float64, device=ref.device)
+    floor = atol if atol > 0 else torch.finfo(torch.float64).tiny
+    nonfinite = mismatches = 0
+    first_nonfinite = first_mismatch = None
+    max_abs = max_rel = diff_norm = ref_norm = 0.0
+    # Chunk by chunk, so that the float64 temporaries (a dozen of them) stay ~COMPARE_CHUNK
+    # elements each: a whole 824 MB bf16 output at once took 24 GB.
+    for start in range(0, flat_ref.numel(), COMPARE_CHUNK):
+        r = flat_ref[start:start + COMPARE_CHUNK].to(wide)
+        o = flat_out[start:start + COMPARE_CHUNK].to(wide)
+        ref_finite, out_finite = torch.isfinite(r), torch.isfinite(o)
+        new_nonfinite = out_finite.logical_not() & ref_finite
+        count = int(new_nonfinite.sum())
+        if count and first_nonfinite is None:
+            first_nonfinite = start + int(new_nonfinite.nonzero()[0])
+        nonfinite += count
+        close = torch.isclose(o, r, atol=atol, rtol=rtol, equal_nan=True)
+        count = int(close.logical_not().sum())
+        if count and first_mismatch is None:
+            first_mismatch = start + int(close.logical_not().nonzero()[0])
+        mismatches += count
+        both = ref_finite & out_finite
+        diff = (o - r).abs().where(both, zero)
+        max_abs = max(max_abs, float(diff.max()))
+        max_rel = max(max_rel, float((diff / r.abs().clamp_min(floor)).where(both, zero).max()))
+        diff_norm = math.hypot(diff_norm, float(torch.linalg.vector_norm(diff)))
+        ref_norm = math.hypot(ref_norm, float(torch.linalg.vector_norm(r.abs().where(both, zero))))
+    if nonfinite:
         return Comparison(
             ok=False, failure="nonfinite",
-            reason=f"{label} has {int(new_nonfinite.sum())} NaN/Inf where the reference is finite "
-                   f"(first at {_index(new_nonfinite)})",
+            reason=f"{label} has {nonfinite} NaN/Inf where the reference is finite "
+                   f"(first at {_unravel(first_nonfinite, ref.shape)})",
         )
-
-    close = torch.isclose(o, r, atol=atol, rtol=rtol, equal_nan=True)
-    both = ref_finite & out_finite
-    zero = torch.zeros((), dtype=torch.float64, device=r.device)
-    diff = (o - r).abs().where(both, zero)
-    scale = r.abs().clamp_min(atol if atol > 0 else torch.finfo(torch.float64).tiny)
-    diff_norm = float(torch.linalg.vector_norm(diff))
-    ref_norm = float(torch.linalg.vector_norm(r.abs().where(both, zero)))
+    numel = flat_ref.numel()
     result = Comparison(
-        ok=bool(close.all()),
-        max_abs_err=float(diff.max()) if diff.numel() else 0.0,
-        max_rel_err=float((diff / scale).where(both, zero).max()) if diff.numel() else 0.0,
-        mismatch_frac=float(close.logical_not().double().mean()) if close.numel() else 0.0,
+        ok=mismatches == 0,
+        max_abs_err=max_abs,
+        max_rel_err=max_rel,
+        mismatch_frac=mismatches / numel if numel else 0.0,
         rel_l2_err=diff_norm / ref_norm if ref_norm > 0 else (0.0 if diff_norm == 0 else math.inf),
     )
     if not result.ok:
-        where = _index(close.logical_not())
         result.failure = "values"
         result.reason = (
             f"{label}: {100 * result.mismatch_frac:.3g}% of elements outside atol={atol:g}, rtol={rtol:g} "
-            f"(max abs err {result.max_abs_err:.3g}; at {where} got {o[where].item():.6g}, "
-            f"expected {r[where].item():.6g})"
+            f"(max abs err {result.max_abs_err:.3g}; at {_unravel(first_mismatch, ref.shape)} got "
+            f"{flat_out[first_mismatch].to(wide).item():.6g}, expected {flat_ref[first_mismatch].to(wide).item():.6g})"
         )
     return result
+
+
+def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:
+    """The index of element `flat` of a row-major tensor of `shape`."""
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return tuple(reversed(index))
 
 
 def clone_arguments(values: Sequence) -> list:
@@ -243,10 +271,6 @@ def arguments_equal(a: Sequence, b: Sequence) -> bool:
         elif not torch.equal(x, y):
             return False
     return True
-
-
-def _index(mask: torch.Tensor) -> tuple[int, ...]:
-    return tuple(int(i) for i in mask.nonzero()[0]) if mask.dim() else ()
 
 
 def _describe_structure(value: object) -> str:

@@ -15,16 +15,28 @@ import torch
 
 
 def best_kernel(m: int, n: int, k: int, sms: int = 132) -> tuple[int, dict[str, int]]:
-    """Which rung and variant for an M x N x K product on `sms` SMs (from the H100 ladders and
-    `kforge bench gemm`, README's GEMM section). Rung 5's clusters pair two 128-row tiles on
-    one column of B, so with a single row tile the second CTA of every pair would idle: rung 4
-    takes M <= 128. Where 128 x 256 tiles would leave more than half the SMs idle (skinny M,
-    1024^3), rung 4's split-K variant cuts each 128 x 128 tile's K loop across the idle SMs."""
+    """Which rung and variant for an M x N x K product on `sms` SMs, from the H100 variant
+    tables (benchmarks/notes/2026-11-22-session7: gemm-bf16-variants-{epilogue,shortk}.txt):
+
+    - 128 x 256 tiles leaving more than half the SMs idle (skinny M, 1024^3): rung 4's split-K
+      variant cuts each 128 x 128 tile's K loop across the idle SMs.
+    - K <= 1024, or 128 x 256 tiles filling their last wave less than 3/4: rung 6. Its two
+      consumers take turns, one's epilogue under the other's k-loop, which pays where the
+      k-loop is short (GPT-2's 8192 x 2304 x 768: 1.03x cuBLAS against rung 4's 0.92x; the LM
+      head 8192 x 50304 x 768: 0.99x against 0.95x) or the tiles few (8192 x 768 x 3072, 1.45
+      waves: 0.94x against 0.77x).
+    - Otherwise rung 4, the 128 x 256 cooperative kernel (4096^3 0.994x, 8192^3 1.02x,
+      16384 x 4096 x 4096 1.00x). Rung 5's clusters measured below rung 4 at every shape of
+      those tables (the 8192-row GEMMs: 0.74-0.96x against 0.76-0.97x)."""
     from kforge.kernels.gemm_bf16 import SPLIT_K_VARIANT
 
-    if 2 * -(-m // 128) * -(-n // 256) <= sms:
+    tiles = -(-m // 128) * -(-n // 256)
+    if 2 * tiles <= sms:
         return 4, dict(SPLIT_K_VARIANT)
-    return (5 if m > 128 else 4), {}
+    waves = tiles / sms
+    if k <= 1024 or waves / -(-tiles // sms) < 0.75:
+        return 6, {}
+    return 4, {}
 
 
 @functools.cache

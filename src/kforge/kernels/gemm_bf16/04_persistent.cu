@@ -17,6 +17,9 @@
 // a global workspace (only rows inside C), counts itself in on a per-tile counter, and the
 // last to arrive adds the others' partials in split order (the same sum whoever is last),
 // resets the counter for the next launch and stores the tile. No split ever waits.
+// A fused epilogue (EPI_BIAS, EPI_ACT, EPI_RESIDUAL) applies a bias, an activation and a
+// residual add to the fp32 accumulator slice by slice, just before it is rounded: what eager
+// PyTorch does in further passes over C costs here ALU time and the residual's read.
 // Why: rung 3 paid a launch-sized pipeline fill and a global-store epilogue per tile,
 // and its last wave left most SMs idle.
 // Predicted: parity with cuBLAS at 4096^3 and above.
@@ -52,6 +55,15 @@
 #ifndef B_KMAJOR
 #define B_KMAJOR 0  // 1: B is given as N x K (C = A @ B^T); 0: B is K x N
 #endif
+#ifndef EPI_BIAS
+#define EPI_BIAS 0  // 1: C = act(A B + bias), a bf16 bias per column, added in fp32 before the rounding
+#endif
+#ifndef EPI_ACT
+#define EPI_ACT 0  // the activation after the bias: 0 none, 1 GELU (erf), 2 GELU (tanh), 3 SiLU
+#endif
+#ifndef EPI_RESIDUAL
+#define EPI_RESIDUAL 0  // 1: then + residual, a bf16 M x N tensor (a transformer's residual stream)
+#endif
 
 #define CONSUMERS (BM / 64)
 #define NUM_THREADS (128 * (CONSUMERS + 1))
@@ -71,7 +83,7 @@ static_assert(B_CHUNKS % CLUSTER_M == 0, "each CTA of a cluster loads an equal s
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
      const __grid_constant__ TensorMap c_map, int M, int N, int K, int split_count, float4* __restrict__ partials,
-     int* __restrict__ arrivals) {
+     int* __restrict__ arrivals, const bf16_bits* __restrict__ bias, const bf16_bits* __restrict__ residual) {
     const int splits = SPLIT_K ? split_count : 1;
     check_launch(NUM_THREADS, SHARED_BYTES);
     extern __shared__ __align__(16) unsigned char smem_raw[];  // aligned to 1024 by hand below
@@ -221,7 +233,8 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
                 bf16_bits* slice = c_tile + (first / EPI_COLS) % EPI_BUFFERS * 64 * EPI_COLS;
                 if (thread == 0) bulk_wait_read<EPI_BUFFERS - 1>();
                 named_barrier(1 + consumer, 128);
-                store_cols_swizzled<BN, EPI_COLS>(acc, slice, first);
+                store_cols_swizzled<BN, EPI_COLS, EPI_BIAS, EPI_ACT, EPI_RESIDUAL>(acc, slice, first, row0 + consumer * 64,
+                                                                                 col0, M, N, bias, residual);
                 fence_proxy_async();
                 named_barrier(1 + consumer, 128);
                 if (thread == 0) {

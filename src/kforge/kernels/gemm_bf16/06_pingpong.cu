@@ -47,6 +47,16 @@
 #define B_KMAJOR 0  // 1: B is given as N x K (C = A @ B^T); 0: B is K x N
 #endif
 
+#ifndef EPI_BIAS
+#define EPI_BIAS 0  // as rung 4: a bf16 bias per column
+#endif
+#ifndef EPI_ACT
+#define EPI_ACT 0  // as rung 4: 0 none, 1 GELU (erf), 2 GELU (tanh), 3 SiLU
+#endif
+#ifndef EPI_RESIDUAL
+#define EPI_RESIDUAL 0  // as rung 4: + a bf16 M x N residual
+#endif
+
 #define CONSUMERS 2
 #define NUM_THREADS (128 * (CONSUMERS + 1))
 #define A_TILE (BM * BK)
@@ -63,13 +73,15 @@ static_assert(BN % EPI_COLS == 0 && EPI_COLS % 64 == 0, "the epilogue slices the
 
 // One 64-row half of a consumer's tile, out through its buffer: wait until the buffer's
 // previous store has read it, fill it (swizzled), store it, EPI_COLS columns at a time.
-__device__ __forceinline__ void store_half(const float (&acc)[BN / 2], bf16_bits* c_tile, const TensorMap& c_map,
-                                           int row, int col0, int consumer, int thread) {
+__device__ __forceinline__ void store_half(const float (&acc)[BN / 2], bf16_bits* c_tile, const TensorMap& c_map, int row,
+                                           int col0, int M, int N, const bf16_bits* __restrict__ bias,
+                                           const bf16_bits* __restrict__ residual, int consumer, int thread) {
 #pragma unroll
     for (int first = 0; first < BN; first += EPI_COLS) {
         if (thread == 0) bulk_wait_read();
         named_barrier(1 + consumer, 128);
-        store_cols_swizzled<BN, EPI_COLS>(acc, c_tile, first);
+        store_cols_swizzled<BN, EPI_COLS, EPI_BIAS, EPI_ACT, EPI_RESIDUAL>(acc, c_tile, first, row, col0, M, N, bias,
+                                                                           residual);
         fence_proxy_async();
         named_barrier(1 + consumer, 128);
         if (thread == 0) {
@@ -82,7 +94,7 @@ __device__ __forceinline__ void store_half(const float (&acc)[BN / 2], bf16_bits
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
      const __grid_constant__ TensorMap c_map, int M, int N, int K, int split_count, float4* __restrict__ partials,
-     int* __restrict__ arrivals) {
+     int* __restrict__ arrivals, const bf16_bits* __restrict__ bias, const bf16_bits* __restrict__ residual) {
     (void)split_count, (void)partials, (void)arrivals;  // the persistent rungs' signature; no split-K here
     check_launch(NUM_THREADS, SHARED_BYTES);
     extern __shared__ __align__(16) unsigned char smem_raw[];  // aligned to 1024 by hand below
@@ -159,8 +171,8 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
             if (thread == 0) mbar_arrive(&turn[1 - consumer]);
             wgmma_wait<0>();
             if (lane == 0) mbar_arrive(&empty[(it0 + k_tiles - 1) % STAGES]);  // (K > 0: the host handles K = 0)
-            store_half(acc0, c_tile, c_map, tm * BM, tn * BN, consumer, thread);
-            store_half(acc1, c_tile, c_map, tm * BM + 64, tn * BN, consumer, thread);
+            store_half(acc0, c_tile, c_map, tm * BM, tn * BN, M, N, bias, residual, consumer, thread);
+            store_half(acc1, c_tile, c_map, tm * BM + 64, tn * BN, M, N, bias, residual, consumer, thread);
         }
         if (thread == 0) bulk_wait_read();  // the CTA's shared memory must outlive the last store's reads
     }

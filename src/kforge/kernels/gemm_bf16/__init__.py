@@ -176,7 +176,7 @@ class _Plan:
                 self.maps = (TensorMaps("bfloat16", m, k, 2 * k, (p["BM"], p["BK"]), **promote),
                              TensorMaps("bfloat16", b_rows, b_cols, 2 * b_cols, b_box, **promote))
                 self.maps += (TensorMaps("bfloat16", m, n, 2 * n, (64, 64)),) if step.persistent else ()
-                kinds = (("map", "map", "map", "i32", "i32", "i32", "i32", "ptr", "ptr") if step.persistent
+                kinds = (("map", "map", "map", "i32", "i32", "i32", "i32", "ptr", "ptr", "ptr", "ptr") if step.persistent
                          else ("map", "map", "ptr", "i32", "i32", "i32"))
             self.launch = kernel.lean(grid, step.threads(p), index, kinds=kinds, shared_bytes=step.shared_bytes(p),
                                       cluster=(cluster, 1, 1) if cluster > 1 else None)
@@ -184,14 +184,15 @@ class _Plan:
         self.tail = (m, n, k, self.splits, partials, arrivals) if step.persistent else (m, n, k)
         self.index = index
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: int = 0, residual: int = 0) -> None:
+        """C = a @ b into c; `bias` and `residual` are addresses (0: none) for a fused-epilogue variant."""
         stream = torch._C._cuda_getCurrentRawStream(self.index)
         if not self.maps:
             self.launch(stream, a.data_ptr(), b.data_ptr(), c.data_ptr(), *self.tail)
             return
         a_map, b_map = self.maps[0].address_of(a.data_ptr()), self.maps[1].address_of(b.data_ptr())
         if len(self.maps) == 3:
-            self.launch(stream, a_map, b_map, self.maps[2].address_of(c.data_ptr()), *self.tail)
+            self.launch(stream, a_map, b_map, self.maps[2].address_of(c.data_ptr()), *self.tail, bias, residual)
         else:
             self.launch(stream, a_map, b_map, c.data_ptr(), *self.tail)
 
@@ -199,16 +200,48 @@ class _Plan:
 _PLANS: dict[tuple, _Plan] = {}
 
 
+# The fused epilogue's activations (EPI_ACT in the persistent rungs), applied after the bias.
+ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+
+
+def _epilogue_defines(step: Rung, a: torch.Tensor, b: torch.Tensor, b_layout: str, bias: torch.Tensor | None,
+                      activation: str, residual: torch.Tensor | None) -> dict[str, int]:
+    """The compile-time switches of a fused bias/activation/residual, after checking them
+    (the operands themselves are checked by `_check`)."""
+    if activation not in ACTIVATIONS:
+        raise LaunchError(f"gemm_bf16: activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    if not step.persistent:
+        raise LaunchError(f"gemm_bf16: a fused epilogue needs a persistent rung (4, 5, 6), not {step.label}")
+    if isinstance(a, torch.Tensor) and a.dim() == 2 and isinstance(b, torch.Tensor) and b.dim() == 2:
+        m, n = a.shape[0], (b.shape[1] if b_layout == "kn" else b.shape[0])
+        for name, t, shape in (("bias", bias, (n,)), ("residual", residual, (m, n))):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16
+                                  or tuple(t.shape) != shape or not t.is_contiguous() or t.device != a.device
+                                  or t.data_ptr() % 4):
+                got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else t
+                raise LaunchError(f"gemm_bf16: {name} must be a contiguous, 4-byte aligned bf16 tensor of shape "
+                                  f"{shape} on {a.device}, got {got}")
+    return {"EPI_BIAS": int(bias is not None), "EPI_ACT": ACTIVATIONS[activation],
+            "EPI_RESIDUAL": int(residual is not None)}
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layout: str = "kn",
-         defines: Mapping[str, int] | None = None, split_k: int | None = None) -> torch.Tensor:
-    """C = a @ b (b_layout "kn") or a @ b.T ("nk") with one rung's kernel, bf16 in and out.
+         defines: Mapping[str, int] | None = None, split_k: int | None = None, bias: torch.Tensor | None = None,
+         activation: str = "none", residual: torch.Tensor | None = None) -> torch.Tensor:
+    """C = act(a @ b + bias) + residual (b_layout "kn"; a @ b.T for "nk") with one rung's
+    kernel, bf16 in and out.
 
     `split_k` (persistent rungs 4 and 5): how many K ranges each tile is cut into; default
-    `auto_splits`'s choice. Plans hold a split-K workspace: one stream at a time per thread."""
+    `auto_splits`'s choice. Plans hold a split-K workspace: one stream at a time per thread.
+    `bias` (bf16, N), `activation` (one of ACTIVATIONS) and `residual` (bf16, M x N) run in
+    the persistent rungs' epilogue on the fp32 accumulator, rounded once."""
     step = step if isinstance(step, Rung) else rung(step)
     if split_k is not None and (not step.persistent or not isinstance(split_k, int) or split_k < 1):
         raise LaunchError(f"gemm_bf16: split_k must be a positive int and the rung persistent (4 or 5), got "
                           f"split_k={split_k!r} for rung {step.label}")
+    fused = bias is not None or activation != "none" or residual is not None
+    if fused:
+        defines = {**(defines or {}), **_epilogue_defines(step, a, b, b_layout, bias, activation, residual)}
     # The common case in a few attribute reads; anything unusual takes the full check and its message.
     if (not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dtype is not torch.bfloat16
             or b.dtype is not torch.bfloat16 or not a.is_cuda or a.device != b.device
@@ -222,8 +255,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layo
     c = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
     if m == 0 or n == 0:
         return c
-    if k == 0:
-        return c.zero_()
+    if k == 0:  # the kernels need one k-tile; the epilogue of an empty sum, here
+        c.zero_()
+        if fused:
+            c.copy_(_epilogue_reference(c.float(), bias, activation, residual))
+        return c
     index = a.device.index
     # per thread: a plan's buffers are rewritten on every call
     key = (step.number, b_layout, tuple(sorted(defines.items())) if defines else (), m, n, k, index, get_ident(),
@@ -231,8 +267,23 @@ def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layo
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _Plan(step, b_layout, defines, m, n, k, index, split_k)
-    plan(a, b, c)
+    plan(a, b, c, bias.data_ptr() if bias is not None else 0, residual.data_ptr() if residual is not None else 0)
     return c
+
+
+def _epilogue_reference(c: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                        residual: torch.Tensor | None = None) -> torch.Tensor:
+    """act(c + bias) + residual in c's dtype: the fused epilogue's math in PyTorch (erf and
+    tanh GELU exact)."""
+    if bias is not None:
+        c = c + bias.to(c.dtype)
+    if activation == "gelu":
+        c = torch.nn.functional.gelu(c)
+    elif activation == "gelu_tanh":
+        c = torch.nn.functional.gelu(c, approximate="tanh")
+    elif activation == "silu":
+        c = torch.nn.functional.silu(c)
+    return c + residual.to(c.dtype) if residual is not None else c
 
 
 class RungModel(nn.Module):

@@ -242,21 +242,73 @@ __device__ __forceinline__ void store_tile_global(const float (&d)[TILE_N / 2], 
         }
 }
 
+
+
+// ---- fused epilogue: bias and activation on the fp32 accumulator, before the one rounding ----
+
+// GELU with erf by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7, branch-free: one reciprocal
+// and one exp on the MUFU unit, eight FMAs), instead of libdevice's erff (two polynomial
+// branches, ~25 instructions, both taken when a warp straddles |x| = 1).
+__device__ __forceinline__ float gelu_erf(float x) {
+    const float z = fabsf(x) * 0.70710678118654752f;
+    const float t = __fdividef(1.0f, fmaf(0.3275911f, z, 1.0f));
+    const float poly =
+        t * fmaf(t, fmaf(t, fmaf(t, fmaf(t, 1.061405429f, -1.453152027f), 1.421413741f), -0.284496736f), 0.254829592f);
+    const float erf_abs = 1.0f - poly * __expf(-z * z);
+    return 0.5f * x * (1.0f + copysignf(erf_abs, x));
+}
+// GELU, tanh form: 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3).
+__device__ __forceinline__ float gelu_tanh(float x) {
+    return x * __fdividef(1.0f, 1.0f + __expf(-1.5957691216057308f * fmaf(0.044715f * x, x * x, x)));
+}
+__device__ __forceinline__ float silu(float x) { return x * __fdividef(1.0f, 1.0f + __expf(-x)); }
+
+// ACT: 0 none, 1 GELU (erf), 2 GELU (tanh), 3 SiLU.
+template <int ACT>
+__device__ __forceinline__ float activation(float x) {
+    if constexpr (ACT == 1) return gelu_erf(x);
+    else if constexpr (ACT == 2) return gelu_tanh(x);
+    else if constexpr (ACT == 3) return silu(x);
+    else return x;
+}
+
 // Columns [first, first + COLS) of the same accumulator into shared memory laid out as
 // TMA's 128-byte swizzle expects (COLS/64 chunks of 64 rows x 128 bytes): the 8 rows a
 // warp writes per column group land in 8 different 16-byte units, so the 32 lanes hit 32
 // different banks. `first` must be a compile-time constant after unrolling (it indexes
-// registers).
-template <int TILE_N, int COLS>
-__device__ __forceinline__ void store_cols_swizzled(const float (&d)[TILE_N / 2], bf16_bits* tile, int first) {
+// registers). On the way, the fused epilogue: act(value + bias[column]) + residual[row,
+// column] in fp32 (BIAS, ACT, RESIDUAL; row0 and col0 are the 64-row slab's first row and
+// column, register 4i + 2h + e holds row 16 warp + lane / 4 + 8h and column
+// 8i + 2 (lane % 4) + e), computed pair by pair into temporaries just before the rounding,
+// so the accumulators stay as they are and the activation's temporaries stay few (writing
+// the results back into the accumulator array spilled SiLU at the 168-register cap).
+// Bias and residual are read as bf16 pairs (N is even: a pair inside N is whole), the
+// residual (M x N, row-major) only inside C.
+__device__ __forceinline__ float2 bf16x2_to_float2(u32 pair) {
+    return make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xFFFF0000u));
+}
+template <int TILE_N, int COLS, int BIAS = 0, int ACT = 0, int RESIDUAL = 0>
+__device__ __forceinline__ void store_cols_swizzled(const float (&d)[TILE_N / 2], bf16_bits* tile, int first,
+                                                    int row0 = 0, int col0 = 0, int M = 0, int N = 0,
+                                                    const bf16_bits* __restrict__ bias = nullptr,
+                                                    const bf16_bits* __restrict__ residual = nullptr) {
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     char* base = reinterpret_cast<char*>(tile);
 #pragma unroll
-    for (int j = 0; j < COLS / 8; ++j)
+    for (int j = 0; j < COLS / 8; ++j) {
+        const int i = first / 8 + j, col = col0 + 8 * i + 2 * (lane % 4);
+        float2 b = make_float2(0.0f, 0.0f);
+        if (BIAS && col < N) b = bf16x2_to_float2(__ldg(reinterpret_cast<const unsigned int*>(bias + col)));
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int i = first / 8 + j, r = 16 * warp + lane / 4 + 8 * half, chunk = j / 8, unit = (j % 8) ^ (r % 8);
-            *reinterpret_cast<u32*>(base + chunk * 64 * 128 + r * 128 + unit * 16 + (lane % 4) * 4) =
-                pack_bf16x2(d[4 * i + 2 * half], d[4 * i + 2 * half + 1]);
+            const int r = 16 * warp + lane / 4 + 8 * half, chunk = j / 8, unit = (j % 8) ^ (r % 8);
+            float v0 = activation<ACT>(d[4 * i + 2 * half] + b.x), v1 = activation<ACT>(d[4 * i + 2 * half + 1] + b.y);
+            if (RESIDUAL && row0 + r < M && col < N) {
+                const float2 add = bf16x2_to_float2(
+                    __ldg(reinterpret_cast<const unsigned int*>(residual + size_t(row0 + r) * N + col)));
+                v0 += add.x, v1 += add.y;
+            }
+            *reinterpret_cast<u32*>(base + chunk * 64 * 128 + r * 128 + unit * 16 + (lane % 4) * 4) = pack_bf16x2(v0, v1);
         }
+    }
 }

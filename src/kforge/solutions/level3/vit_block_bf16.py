@@ -1,25 +1,42 @@
 """The ViT-L/16 encoder block on kforge's kernels (problem: the file of the same name in
 problems/level3). Seven launches, every elementwise step inside a GEMM's epilogue or a norm:
 
-    n1   = layer_norm(x)                          norms.py
-    qkv  = n1 W_in^T + b_in                       fused/gemm_epilogue.py: bias in the epilogue
-    attn = flash attention, non-causal            flash_forward.py on strided (B, H, N, d) views of
+    n1    = layer_norm(x)                         norms.py
+    qkv   = n1 W_in^T + b_in                      fused/linear.py: the bias in the epilogue
+    attn  = flash attention, non-causal           flash_forward.py on strided (B, H, N, d) views of
                                                   qkv: no transposes, and the output comes out (B, N, H, d)
-    h    = x + attn W_out^T + b_out               gemm_epilogue: bias and residual in the epilogue
-    f    = gelu(layer_norm(h) W1^T + b1)          norms.py, gemm_epilogue: bias and GELU in the epilogue
-    out  = h + f W2^T + b2                        gemm_epilogue: bias and residual
+    o     = attn W_out^T + b_out                  fused/linear.py
+    n2, h = layer_norm(x + o), x + o              norms.py, the residual add fused into the norm
+    f     = gelu(n2 W1^T + b1)                    fused/linear.py: bias and GELU in the epilogue
+    out   = h + f W2^T + b2                       fused/linear.py: bias and residual in the epilogue
 
-Against eager (nn.MultiheadAttention's seq-first transposes and copies, a GELU pass over
-(12608, 4096), two residual adds) the saving is ~0.2 GB of activation traffic around
-0.33 TFLOP of short-K GEMMs. On the CPU the Triton kernels run under the interpreter.
+fused_linear takes the CUDA GEMM rungs on an H100, the rung per shape from the measured
+tables (benchmarks/notes/2026-11-22-session7): the ping-pong rung 6 for the K = 1024
+projections (0.99-1.02x cuBLAS), rung 4 with GELU in its epilogue for fc1 (1.13x eager's
+linear + GELU) and with the residual for fc2 (K = 4096 hides its reads: 1.00x eager). The
+out-projection's residual goes to the norm instead: at K = 1024 an epilogue add measured
+0.95x eager, and the norm reads and writes the rows anyway. Against eager
+(nn.MultiheadAttention's seq-first transposes and copies, a GELU pass over (12608, 4096),
+two residual adds) the saving is ~0.2 GB of activation traffic around 0.33 TFLOP of
+short-K GEMMs. On the CPU the Triton kernels run under the interpreter (fused_linear takes
+the Triton epilogue GEMM there).
+
+The whole forward replays as one CUDA graph (runtime/graphs.py). Issued from Python, the
+seven launches took longer than the GPU took to run them (H100, 2026-11-22: host 1.25 ms,
+device 0.73 ms; the reference's host 0.81, device 0.97), and the harness counts the longer.
+A replay issues them at once; per call it adds a copy of x into the graph's input and a
+clone of its output (26 MB read and written each: ~35 us of device time in all). The graph
+is keyed on the parameters' addresses: the harness moves the model with .to(device) after
+building it.
 """
 
 import torch
 from torch import nn
 
 from kforge.kernels.attention.flash_forward import flash_attention_forward
-from kforge.kernels.fused.gemm_epilogue import gemm_epilogue
+from kforge.kernels.fused.linear import fused_linear
 from kforge.kernels.serving.norms import layer_norm_forward
+from kforge.runtime.graphs import GraphedCall, parameter_addresses
 
 
 def init_like_trained(module: nn.Module) -> None:
@@ -45,16 +62,20 @@ class ModelNew(nn.Module):
         self.fc1 = nn.Linear(hidden, mlp, dtype=torch.bfloat16)
         self.fc2 = nn.Linear(mlp, hidden, dtype=torch.bfloat16)
         init_like_trained(self)
+        self._graphed_block = GraphedCall(self._block, extra_key=parameter_addresses(self))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._graphed_block(x)
+
+    def _block(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens, hidden = x.shape
         rows = x.reshape(batch * tokens, hidden)
-        qkv = gemm_epilogue(layer_norm_forward(rows, self.norm1.weight, self.norm1.bias, self.eps),
-                            self.attn.in_proj_weight, bias=self.attn.in_proj_bias)
+        qkv = fused_linear(layer_norm_forward(rows, self.norm1.weight, self.norm1.bias, self.eps),
+                           self.attn.in_proj_weight, bias=self.attn.in_proj_bias)
         q, k, v = qkv.view(batch, tokens, 3, self.heads, hidden // self.heads).unbind(2)
         attn, _ = flash_attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        h = gemm_epilogue(attn.transpose(1, 2).reshape(batch * tokens, hidden), self.attn.out_proj.weight,
-                          bias=self.attn.out_proj.bias, residual=rows)
-        f = gemm_epilogue(layer_norm_forward(h, self.norm2.weight, self.norm2.bias, self.eps), self.fc1.weight,
-                          bias=self.fc1.bias, activation="gelu")
-        return gemm_epilogue(f, self.fc2.weight, bias=self.fc2.bias, residual=h).view(batch, tokens, hidden)
+        o = fused_linear(attn.transpose(1, 2).reshape(batch * tokens, hidden), self.attn.out_proj.weight,
+                         bias=self.attn.out_proj.bias)
+        n2, h = layer_norm_forward(o, self.norm2.weight, self.norm2.bias, self.eps, residual=rows)
+        f = fused_linear(n2, self.fc1.weight, bias=self.fc1.bias, activation="gelu")
+        return fused_linear(f, self.fc2.weight, bias=self.fc2.bias, residual=h).view(batch, tokens, hidden)
