@@ -179,14 +179,15 @@ def test_ops_matmul_is_a_custom_op_that_traces_and_differentiates():
                                                                                      torch.randn(7, 3))
 
 
-def test_ops_matmul_picks_split_k_where_big_tiles_leave_sms_idle():
+def test_ops_matmul_picks_the_rung_by_tiles_waves_width_and_k():
     from kforge.ops.matmul import best_kernel
 
     assert best_kernel(1024, 1024, 1024) == (4, gemm_bf16.SPLIT_K_VARIANT)  # 32 tiles of 128 x 256
     assert best_kernel(16, 4096, 14336) == (4, gemm_bf16.SPLIT_K_VARIANT)
     assert best_kernel(16, 28672, 4096) == (4, {})  # 112 tiles: most SMs busy, one row tile
-    assert best_kernel(4096, 4096, 4096) == (4, {})
-    assert best_kernel(2048, 2048, 2048) == (4, {})  # 128 tiles
+    assert best_kernel(4096, 4096, 4096) == (4, {})  # K = 4096: a tie on the device, rung 4 through the op
+    assert best_kernel(8192, 8192, 8192) == (5, {})  # wide and long: clusters share B
+    assert best_kernel(2048, 2048, 2048) == (4, {})  # 128 tiles: one wave
     assert best_kernel(8192, 50304, 768) == (6, {})  # short K: the epilogue weighs
     assert best_kernel(8192, 768, 3072) == (6, {})  # 192 tiles: 1.45 waves
     assert best_kernel(12608, 1024, 4096) == (4, {})  # 396 tiles: 3.0 waves
