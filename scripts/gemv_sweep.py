@@ -3,7 +3,8 @@
     PYTHONPATH=src python scripts/gemv_sweep.py
 
 For each weight shape, every tile below (the autotuner's CUDA-core and tensor-core lists,
-plus deeper pipelines) is checked against F.linear, then timed after a reading L2 flush
+plus deeper pipelines) and the one-token CUDA kernel (`gemv_rows.cu`, "rows kernel"; off
+in kforge by default until measured) are checked against F.linear, then timed after a reading L2 flush
 (as the timing engine does), interleaved with cuBLAS, 200 rounds, medians of CUDA event
 times; prints us and % of a copy's bandwidth measured in the same run.
 """
@@ -13,6 +14,7 @@ import statistics
 import kforge  # noqa: F401  (before triton)
 import torch
 
+from kforge.kernels.serving import gemv as gemv_module
 from kforge.kernels.serving.gemv import gemv
 
 L2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -60,6 +62,12 @@ def main():
                 print(f"  {name}: WRONG")
                 continue
             fns[name] = lambda tile=tile: gemv(x, w, config=tile)
+        y = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+        gemv_module.launch_rows_kernel(x, w, y)
+        if torch.allclose(y.float(), want, atol=2e-2, rtol=2e-2):
+            fns["rows kernel"] = lambda y=y: gemv_module.launch_rows_kernel(x, w, y)
+        else:
+            print("  rows kernel: WRONG")
         nbytes = (n * k + k + n) * 2
         print(f"W {n} x {k} ({nbytes / 1e6:.1f} MB)")
         for name, us in sorted(time_us(fns).items(), key=lambda item: item[1]):

@@ -136,6 +136,48 @@ def test_op_refuses_bad_shapes_and_large_batches_with_value_errors():
 LLAMA3_8B = [(4096, 4096), (6144, 4096), (14336, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
 
 
+def test_the_one_token_cuda_kernel_streams_w_with_16_byte_loads_that_skip_l1():
+    """gemv_rows.cu for sm_90a: W through 16-byte loads that do not allocate in L1 (read once),
+    x through cached 16-byte loads, the rows' sums meeting in shuffles; no spills."""
+    import re
+
+    from kforge.kernels.serving.gemv import ROWS_SOURCE
+    from kforge.runtime.cuda import compile_cuda, resources, sass
+
+    cubin = compile_cuda(ROWS_SOURCE, arch="sm_90a")
+    used = resources(cubin)["gemv_bf16"]
+    assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0)
+    code = sass(cubin)
+    assert len(re.findall(r"\bLDG\.E\.NA\.128\b", code)) >= 8, "W: a step's 8 loads per lane, no L1 allocation"
+    assert re.search(r"\bLDG\.E\.128\.CONSTANT\b", code), "x: cached 16-byte loads"
+    assert len(re.findall(r"\bSHFL\.BFLY\b", code)) == 5, "a warp's 32 partial sums in 5 butterfly steps"
+    assert used.registers <= 64, "at most 64 registers: 32 warps an SM keep ~64 KB of W in flight"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(4096, 4096), (777, 1000), (9, 8), (130, 2056), (6144, 4096)])
+def test_one_bf16_token_takes_the_cuda_kernel_and_matches_float64(n, k, monkeypatch):
+    """N not a multiple of the block's 8 rows, K tails below a step (1000 = 3 x 256 + 232 values,
+    8 alone, 2056), and a strided W whose rows stay 16-byte aligned."""
+    from kforge.kernels.serving import gemv as module
+
+    monkeypatch.setattr(module, "ROWS_KERNEL_ENABLED", True)  # off by default until this passes on an H100
+    calls = []
+    real = module.launch_rows_kernel
+    monkeypatch.setattr(module, "launch_rows_kernel", lambda *args: calls.append(args) or real(*args))
+    x, w = _inputs(1, n, k, torch.bfloat16, "cuda")
+    torch.full((n,), float("nan"), dtype=torch.bfloat16, device="cuda")  # freed: the output may reuse it
+    assert_matches(gemv(x, w), x.double() @ w.double().T, torch.bfloat16)
+    assert_matches(gemv(x[0], w), x[0].double() @ w.double().T, torch.bfloat16)
+    padded = torch.zeros(n, k + 8, dtype=torch.bfloat16, device="cuda")
+    padded[:, :k] = w
+    assert_matches(gemv(x, padded[:, :k]), x.double() @ w.double().T, torch.bfloat16)
+    assert len(calls) == 3
+    x3, _ = _inputs(3, n, k, torch.bfloat16, "cuda")
+    gemv(x3, w)
+    assert len(calls) == 3, "three rows take the Triton kernel"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 3, 16])
 @pytest.mark.parametrize("n, k", LLAMA3_8B, ids=str)

@@ -47,6 +47,14 @@ of 34-235 MB (13-92 us at 85%), the rest being the ramp at the start and the end
 kernel, which weighs most on the smallest W (N = K = 4096); the same bytes up to batch
 16 on the tensor-core tiles, a few percent below that.
 
+For one bf16 token there is a CUDA kernel beside it (`gemv_rows.cu`, one warp per row of
+W, every warp streaming from launch like a copy kernel), aimed at the smallest widths,
+where the Triton kernel's few programs an SM ramp up too slowly (70% of copy at N = K =
+4096 on the H100, session 5's sweep). It launches through the lean driver path
+(`runtime/driver.py`), with no autotuner and no per-call specialization. It is off
+(`ROWS_KERNEL_ENABLED`) until it has been run on a GPU: written in session 7, compiled and
+its machine code checked on a CPU, its GPU tests ready, the device time spent elsewhere.
+
 With NORM=True the same kernel is the decode path of RMSNorm fused into the QKV
 projection (`norm_qkv.py`): each program also accumulates sum(x^2) of its rows from the
 x it streams anyway, scales x by gamma as it loads it, and multiplies its outputs by
@@ -55,12 +63,17 @@ r = 1/sqrt(mean(x^2) + eps) at the end. The normalized rows never exist in memor
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
 
 MAX_BATCH = 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ROWS_SOURCE = Path(__file__).with_name("gemv_rows.cu")
+ROWS_PER_BLOCK = 8  # WARPS in gemv_rows.cu
+ROWS_KERNEL_ENABLED = False  # one bf16 token on gemv_rows.cu: off until measured on the H100 (docstring)
 
 
 @triton.jit
@@ -183,14 +196,46 @@ def check_gemv_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"weight has {weight.numel()} elements: the kernel's offsets are 32-bit")
 
 
+def rows_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the CUDA one-token kernel takes (batch, K) x and (N, K) weight: one bf16 row on a
+    GPU, K a multiple of 8, 16-byte aligned rows (its loads are 16 bytes)."""
+    return (x.is_cuda and x.shape[0] == 1 and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and x.shape[1] % 8 == 0 and weight.stride(0) % 8 == 0 and x.stride(1) == 1
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+
+
+_ROWS_LAUNCHES: dict[tuple, object] = {}
+
+
+def launch_rows_kernel(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> None:
+    """y (1, N) = x (1, K) @ weight^T on gemv_rows.cu, launched through a kept LeanLaunch."""
+    n, k = weight.shape
+    index = x.device.index
+    key = (n, k, weight.stride(0), index)
+    launch = _ROWS_LAUNCHES.get(key)
+    if launch is None:
+        from kforge.runtime.cuda import CudaKernel
+
+        kernel = _ROWS_LAUNCHES.get("kernel") or CudaKernel.from_file(ROWS_SOURCE, "gemv_bf16")
+        _ROWS_LAUNCHES["kernel"] = kernel
+        launch = _ROWS_LAUNCHES[key] = kernel.lean(triton.cdiv(n, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK, index,
+                                                   kinds=("ptr", "ptr", "ptr", "i32", "i32", "i32"))
+    launch(torch._C._cuda_getCurrentRawStream(index), weight.data_ptr(), x.data_ptr(), y.data_ptr(), n, k // 8,
+           weight.stride(0) // 8)
+
+
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None, *, norm_eps: float | None = None,
                 norm_weight: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T (batch, N) for checked 2-D x; with `norm_eps`, y = rmsnorm(x; norm_weight, norm_eps) @ W^T
-    (no norm_weight: gamma is folded into W)."""
+    (no norm_weight: gamma is folded into W). With ROWS_KERNEL_ENABLED, one bf16 token without
+    a norm or a config takes the CUDA kernel (`rows_kernel_fits`)."""
     batch, k = x.shape
     n = weight.shape[0]
     y = torch.empty((batch, n), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
+        return y
+    if ROWS_KERNEL_ENABLED and config is None and norm_eps is None and rows_kernel_fits(x, weight):
+        launch_rows_kernel(x, weight, y)
         return y
     args = dict(BLOCK_B=triton.next_power_of_2(batch), NORM=norm_eps is not None,
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")

@@ -34,8 +34,12 @@ tiny_sizes = {"BATCH": 3, "CONTEXT": 10, "MAX_CONTEXT": 16, "HIDDEN": 64, "HEADS
 # As llama_decoder_prefill_bf16.py: sigma ~ 0.003 of (1 + |out|) between a fused solution
 # and eager (measured on the CPU at batch 16, 300 tokens, hidden 512), max 0.016 over 2.5e4
 # elements; the full size checks 3e5. The new cache entries, k and v after RoPE, differ by
-# a bf16 step or two (eager rounds RoPE's products separately, on bf16 cos/sin).
-tolerance = {"atol": 3e-2, "rtol": 3e-2}
+# a bf16 step or two (eager rounds RoPE's products separately, on bf16 cos/sin). atol 4e-2:
+# one bf16 step of the residual stream where it reaches |h| in [4, 8) is 2^-5 = 0.031, and an
+# output that cancels down near 0 keeps that step whole (tiny size, CPU, 2026-11-22: max
+# error 0.03125 in 13 of 16 seeded runs, and once on an output of -0.039, past 3e-2 + 3e-2 x
+# 0.039).
+tolerance = {"atol": 4e-2, "rtol": 3e-2}
 
 
 def _projection_weights() -> int:
