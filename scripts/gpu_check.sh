@@ -9,6 +9,8 @@
 #                                                  split or epilogue, VARIANT_ROUNDS), host time per call)
 #   tests-quant bench-quant   (the quantized formats and kernels; QUANT_SHAPES picks bench groups, default all)
 #   suite-level1 suite-level2 suite-level3   (kforge's suites with its own solutions, vs eager and torch.compile)
+#   fused-linear host-profile-level3   (fused_linear_bench.py; host and device time of the Level 3 blocks)
+#   gemv-rows   (the one-token CUDA GEMV, off by default: its GPU tests and gemv_sweep.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
@@ -56,6 +58,17 @@ if [[ $parts == *" variants-bf16 "* ]]; then
 fi
 if [[ $parts == *" host-overhead "* ]]; then
   python3 scripts/gemm_host_overhead.py 2>&1 | tee "$out/host-overhead.txt"
+fi
+if [[ $parts == *" fused-linear "* ]]; then
+  python3 scripts/fused_linear_bench.py 2>&1 | tee "$out/fused-linear-bench.txt"
+fi
+if [[ $parts == *" host-profile-level3 "* ]]; then
+  python3 scripts/host_profile.py level3.vit_block_bf16 level3.gpt_small_bf16 level3.mlp_stack_bf16 2>&1 \
+    | tee "$out/host-profile-level3.txt"
+fi
+if [[ $parts == *" gemv-rows "* ]]; then
+  python3 -m pytest -q -m gpu tests/kernels/test_gemv.py 2>&1 | tail -15 | tee "$out/pytest-gpu-gemv.log"
+  python3 scripts/gemv_sweep.py 2>&1 | tee "$out/gemv-sweep.txt"
 fi
 if [[ $parts == *" tests-quant "* ]]; then
   python3 -m pytest -q -m gpu tests/kernels/test_quant_formats.py tests/kernels/test_w4a16.py \
