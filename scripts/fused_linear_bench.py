@@ -13,19 +13,16 @@ event times (no host time: the kernels alone).
     PYTHONPATH=src python scripts/fused_linear_bench.py [ROUNDS]
 """
 
-import statistics
 import sys
 
 import kforge  # noqa: F401  (before triton)
 import torch
 import torch.nn.functional as F
 
+from device_timing import median_ms
 from kforge.kernels import gemm_bf16
 from kforge.kernels.fused.gemm_epilogue import gemm_epilogue
 
-L2 = torch.cuda.get_device_properties(0).L2_cache_size
-FLUSH = torch.zeros(L2, dtype=torch.int32, device="cuda")
-SINK = torch.zeros((), dtype=torch.int64, device="cuda")
 EAGER_ACT = {"gelu": F.gelu, "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"), "silu": F.silu,
              "none": lambda y: y}
 # (rows, N, K, activation, residual, where)
@@ -57,21 +54,10 @@ def time_shape(rows, n, k, activation, with_residual, where, rounds):
             continue
         err = ((fn().double() - want).abs() / (1 + want.abs())).max().item()
         assert err < 2e-2, (name, err)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            torch.sum(FLUSH, dim=0, dtype=torch.int64, out=SINK)
-            torch.cuda._sleep(200_000)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
-    eager = statistics.median(times["eager"])
+    times = median_ms(fns, rounds)
+    eager = times["eager"]
     print(f"# {where}: {rows} x {n} x {k}, bias + {activation}{' + residual' if with_residual else ''}")
-    for name, t in sorted(times.items(), key=lambda item: statistics.median(item[1])):
-        ms = statistics.median(t)
+    for name, ms in sorted(times.items(), key=lambda item: item[1]):
         print(f"{name:14s} {ms * 1e3:8.1f} us {2 * rows * n * k / ms / 1e9:6.0f} TFLOP/s {eager / ms:6.3f}x eager")
 
 

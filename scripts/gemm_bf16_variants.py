@@ -12,17 +12,14 @@ SET "shortk": rungs 4, 5, 6 and 128 x 128 tiles on the GEMMs of GPT-2 small and 
 (K 768-4096, the LM head's N 50304), where the epilogue weighs most.
 """
 
-import statistics
 import sys
 
 import kforge  # noqa: F401  (before triton)
 import torch
 
+from device_timing import median_ms
 from kforge.kernels import gemm_bf16
 
-L2 = torch.cuda.get_device_properties(0).L2_cache_size
-FLUSH = torch.zeros(L2, dtype=torch.int32, device="cuda")
-SINK = torch.zeros((), dtype=torch.int64, device="cuda")
 SPLIT = gemm_bf16.SPLIT_K_VARIANT
 
 
@@ -67,21 +64,10 @@ def time_shape(m, n, k, b_layout, rounds, which="split"):
         fns[f"{name} (x{plan.splits})"] = lambda plan=plan: plan(a, b, torch.empty(m, n, dtype=torch.bfloat16,
                                                                                     device="cuda"))
     gemm_bf16.TMA_L2_PROMOTION_BYTES = 0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            torch.sum(FLUSH, dim=0, dtype=torch.int64, out=SINK)
-            torch.cuda._sleep(200_000)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
-    cublas = statistics.median(times["cuBLAS"])
+    times = median_ms(fns, rounds)
+    cublas = times["cuBLAS"]
     print(f"# {m} x {n} x {k} ({b_layout})")
-    for name, t in sorted(times.items(), key=lambda item: statistics.median(item[1])):
-        ms = statistics.median(t)
+    for name, ms in sorted(times.items(), key=lambda item: item[1]):
         print(f"{name:34s} {ms * 1e3:8.1f} us {2 * m * n * k / ms / 1e9:6.0f} TFLOP/s {cublas / ms:6.3f}x cuBLAS")
 
 

@@ -9,17 +9,13 @@ in kforge by default until measured) are checked against F.linear, then timed af
 times; prints us and % of a copy's bandwidth measured in the same run.
 """
 
-import statistics
-
 import kforge  # noqa: F401  (before triton)
 import torch
 
+from device_timing import median_ms
 from kforge.kernels.serving import gemv as gemv_module
 from kforge.kernels.serving.gemv import gemv
 
-L2 = torch.cuda.get_device_properties(0).L2_cache_size
-FLUSH = torch.zeros(L2, dtype=torch.int32, device="cuda")  # 4x L2 in bytes
-SINK = torch.zeros((), dtype=torch.int64, device="cuda")
 TILES = [dict(BLOCK_N=8, BLOCK_K=bk, USE_DOT=False, num_warps=w, num_stages=s)
          for bk, w in ((256, 1), (512, 2), (1024, 4), (2048, 8)) for s in (1, 2, 3)]
 TILES += [dict(BLOCK_N=bn, BLOCK_K=bk, USE_DOT=True, num_warps=w, num_stages=s)
@@ -28,18 +24,8 @@ TILES += [dict(BLOCK_N=bn, BLOCK_K=bk, USE_DOT=True, num_warps=w, num_stages=s)
 
 
 def time_us(fns, rounds=200):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            torch.sum(FLUSH, dim=0, dtype=torch.int64, out=SINK)
-            torch.cuda._sleep(1_000_000)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+    """Median device microseconds per function (device_timing.median_ms, a 1M-cycle sleep)."""
+    return {name: ms * 1e3 for name, ms in median_ms(fns, rounds, sleep_cycles=1_000_000).items()}
 
 
 def main():

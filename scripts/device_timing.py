@@ -1,0 +1,37 @@
+"""The kernel-alone timing loop the study scripts share (gemm_bf16_variants.py, fused_linear_bench.py,
+gemv_sweep.py): every round, each function in turn after a reading L2 flush and a GPU sleep
+(so the host has queued the call before the device reaches it), CUDA events around the call
+only; medians in milliseconds. No host time: the harness (kforge.harness.timing) is the
+place for whole-call figures."""
+
+import statistics
+
+import torch
+
+_FLUSH = None
+
+
+def _flush() -> None:
+    """Read a buffer of L2's size (4 bytes an element: four times L2 in bytes): L2 is left
+    holding clean lines that are not the next call's (a writing flush leaks its write-back)."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = (torch.zeros(torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.int32, device="cuda"),
+                  torch.zeros((), dtype=torch.int64, device="cuda"))
+    torch.sum(_FLUSH[0], dim=0, dtype=torch.int64, out=_FLUSH[1])
+
+
+def median_ms(fns: dict, rounds: int, sleep_cycles: int = 200_000) -> dict[str, float]:
+    """{name: median device ms} of `rounds` interleaved rounds over `fns` (name -> callable)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            _flush()
+            torch.cuda._sleep(sleep_cycles)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
