@@ -59,6 +59,7 @@ import triton.language as tl
 
 # Importing triton_matmul also installs the scratch allocator that device-built TMA
 # descriptors need (triton.set_allocator).
+from kforge.kernels.gemm_bf16 import epilogue_reference
 from kforge.kernels.gemm_bf16.triton_matmul import _tile_coords
 
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "silu")
@@ -262,19 +263,10 @@ def gemm_epilogue_reference(x: torch.Tensor, weight: torch.Tensor, *, bias: torc
     """The same math in PyTorch at float64 (or wider of x's dtype and float64), unrounded."""
     work = torch.float64
     v = x.to(work) @ weight.to(work).T
-    if bias is not None:
-        v = v + bias.to(work)
-    if activation == "gelu":
-        v = torch.nn.functional.gelu(v)
-    elif activation == "gelu_tanh":
-        v = torch.nn.functional.gelu(v, approximate="tanh")
-    elif activation == "silu":
-        v = torch.nn.functional.silu(v)
-    if up_weight is not None:
-        v = v * (x.to(work) @ up_weight.to(work).T)
-    if residual is not None:
-        v = v + residual.to(work)
-    return v
+    if up_weight is None:
+        return epilogue_reference(v, bias, activation, residual)
+    v = epilogue_reference(v, bias, activation) * (x.to(work) @ up_weight.to(work).T)
+    return v + residual.to(work) if residual is not None else v
 
 
 def gemm_epilogue_min_bytes(m: int, n: int, k: int, *, bias: bool = False, residual: bool = False,

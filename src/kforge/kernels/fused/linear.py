@@ -27,7 +27,9 @@ import functools
 
 import torch
 
-from kforge.kernels.fused.gemm_epilogue import check_gemm_epilogue_inputs, gemm_epilogue
+from kforge.kernels import gemm_bf16
+from kforge.kernels.fused.gemm_epilogue import check_gemm_epilogue_inputs, gemm_epilogue, sm_count
+from kforge.ops.matmul import best_kernel
 
 
 @functools.cache
@@ -51,9 +53,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | 
     check_gemm_epilogue_inputs(x, weight, bias, activation, residual, None)
     if not _cuda_rungs_fit(x, weight, bias, residual):
         return gemm_epilogue(x, weight, bias=bias, activation=activation, residual=residual)
-    from kforge.kernels import gemm_bf16
-    from kforge.kernels.fused.gemm_epilogue import sm_count
-    from kforge.ops.matmul import best_kernel
 
     n, k = weight.shape
     rows = x.reshape(-1, k)

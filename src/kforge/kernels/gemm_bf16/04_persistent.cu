@@ -233,8 +233,8 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
                 bf16_bits* slice = c_tile + (first / EPI_COLS) % EPI_BUFFERS * 64 * EPI_COLS;
                 if (thread == 0) bulk_wait_read<EPI_BUFFERS - 1>();
                 named_barrier(1 + consumer, 128);
-                store_cols_swizzled<BN, EPI_COLS, EPI_BIAS, EPI_ACT, EPI_RESIDUAL>(acc, slice, first, row0 + consumer * 64,
-                                                                                 col0, M, N, bias, residual);
+                store_cols_swizzled<BN, EPI_COLS, EPI_BIAS, EPI_ACT, EPI_RESIDUAL>(
+                    acc, slice, first, row0 + consumer * 64, col0, M, N, bias, residual);
                 fence_proxy_async();
                 named_barrier(1 + consumer, 128);
                 if (thread == 0) {

@@ -176,8 +176,8 @@ class _Plan:
                 self.maps = (TensorMaps("bfloat16", m, k, 2 * k, (p["BM"], p["BK"]), **promote),
                              TensorMaps("bfloat16", b_rows, b_cols, 2 * b_cols, b_box, **promote))
                 self.maps += (TensorMaps("bfloat16", m, n, 2 * n, (64, 64)),) if step.persistent else ()
-                kinds = (("map", "map", "map", "i32", "i32", "i32", "i32", "ptr", "ptr", "ptr", "ptr") if step.persistent
-                         else ("map", "map", "ptr", "i32", "i32", "i32"))
+                persistent = ("map", "map", "map", "i32", "i32", "i32", "i32", "ptr", "ptr", "ptr", "ptr")
+                kinds = persistent if step.persistent else ("map", "map", "ptr", "i32", "i32", "i32")
             self.launch = kernel.lean(grid, step.threads(p), index, kinds=kinds, shared_bytes=step.shared_bytes(p),
                                       cluster=(cluster, 1, 1) if cluster > 1 else None)
         partials, arrivals = (w.data_ptr() for w in self.workspace) if self.workspace else (0, 0)
@@ -258,7 +258,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layo
     if k == 0:  # the kernels need one k-tile; the epilogue of an empty sum, here
         c.zero_()
         if fused:
-            c.copy_(_epilogue_reference(c.float(), bias, activation, residual))
+            c.copy_(epilogue_reference(c.float(), bias, activation, residual))
         return c
     index = a.device.index
     # per thread: a plan's buffers are rewritten on every call
@@ -271,10 +271,10 @@ def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layo
     return c
 
 
-def _epilogue_reference(c: torch.Tensor, bias: torch.Tensor | None, activation: str,
-                        residual: torch.Tensor | None = None) -> torch.Tensor:
+def epilogue_reference(c: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
     """act(c + bias) + residual in c's dtype: the fused epilogue's math in PyTorch (erf and
-    tanh GELU exact)."""
+    tanh GELU exact), shared with the Triton epilogue GEMM's reference."""
     if bias is not None:
         c = c + bias.to(c.dtype)
     if activation == "gelu":
