@@ -4,23 +4,33 @@
 
 For each weight shape, every tile below (the autotuner's CUDA-core and tensor-core lists,
 plus deeper pipelines) and the one-token CUDA kernel (`gemv_rows.cu`, "rows kernel"; off
-in kforge by default until measured) are checked against F.linear, then timed after a reading L2 flush
-(as the timing engine does), interleaved with cuBLAS, 200 rounds, medians of CUDA event
-times; prints us and % of a copy's bandwidth measured in the same run.
+in kforge by default until measured; also its CHUNK x WARPS variants) are checked against
+F.linear, then timed after a reading L2 flush (as the timing engine does), interleaved with
+cuBLAS, 200 rounds, medians of CUDA event times; prints us and % of a copy's bandwidth
+measured in the same run. Three ceilings sit among them: a read-only stream of W's bytes
+(`read_stream.cu`), a copy of the same bytes, and an empty launch.
 """
 
 import kforge  # noqa: F401  (before triton)
+from pathlib import Path
+
+import numpy as np
 import torch
+import triton
 
 from device_timing import median_ms
 from kforge.kernels.serving import gemv as gemv_module
 from kforge.kernels.serving.gemv import gemv
+from kforge.runtime.cuda import CudaKernel
 
 TILES = [dict(BLOCK_N=8, BLOCK_K=bk, USE_DOT=False, num_warps=w, num_stages=s)
          for bk, w in ((256, 1), (512, 2), (1024, 4), (2048, 8)) for s in (1, 2, 3)]
 TILES += [dict(BLOCK_N=bn, BLOCK_K=bk, USE_DOT=True, num_warps=w, num_stages=s)
           for bn, bk, w, s in ((16, 256, 4, 4), (16, 256, 4, 6), (16, 512, 4, 3), (16, 512, 4, 4), (32, 256, 4, 4),
                                (16, 128, 2, 6), (16, 128, 2, 8), (64, 128, 4, 4), (32, 128, 4, 6))]
+
+ROUNDS = 200
+ROWS_VARIANTS = [(4, 4), (8, 8), (16, 4)]  # (CHUNK, WARPS) beside the default (4, 8)
 
 
 def time_us(fns, rounds=200):
@@ -33,7 +43,10 @@ def main():
     dst = torch.empty_like(src)
     copy_gbps = 2 * src.numel() * 4 / time_us({"copy": lambda: dst.copy_(src)}, 50)["copy"] / 1e3
     print(f"copy of 256 MiB: {copy_gbps:,.0f} GB/s")
-    for n, k in ((4096, 4096), (6144, 4096), (14336, 4096)):
+    stream = CudaKernel.from_file(Path(__file__).with_name("read_stream.cu"), "read_stream")
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    blocks = 8 * torch.cuda.get_device_properties(0).multi_processor_count  # 2048 threads an SM
+    for n, k in ((4096, 4096), (6144, 4096), (14336, 4096), (28672, 4096), (4096, 14336)):
         x, w = torch.randn(1, k, device="cuda").bfloat16(), (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
         want = torch.nn.functional.linear(x.float(), w.float())
         fns = {"cuBLAS": lambda: torch.nn.functional.linear(x, w), "autotuned": lambda: gemv(x, w)}
@@ -54,9 +67,36 @@ def main():
             fns["rows kernel"] = lambda y=y: gemv_module.launch_rows_kernel(x, w, y)
         else:
             print("  rows kernel: WRONG")
+        for chunk, warps in ROWS_VARIANTS:
+            kernel = CudaKernel.from_file(gemv_module.ROWS_SOURCE, "gemv_bf16", defines=dict(CHUNK=chunk, WARPS=warps))
+            launch = kernel.lean(triton.cdiv(n, warps), 32 * warps, 0, kinds=("ptr", "ptr", "ptr", "i32", "i32", "i32"))
+            out = torch.full_like(y, float("nan"))
+
+            def call(launch=launch, out=out):
+                launch(torch._C._cuda_getCurrentRawStream(0), w.data_ptr(), x.data_ptr(), out.data_ptr(), n, k // 8,
+                       k // 8)
+
+            call()
+            name = f"rows kernel CHUNK={chunk} WARPS={warps}"
+            if torch.allclose(out.float(), want, atol=2e-2, rtol=2e-2):
+                fns[name] = call
+            else:
+                print(f"  {name}: WRONG")
         nbytes = (n * k + k + n) * 2
+        # the ceilings of one launch moving these bytes: read once, copied (half read, half written),
+        # and an empty launch (the fixed cost every call pays under this timing)
+        fns["ceiling: read stream of the same bytes"] = lambda w=w: stream.launch(
+            blocks, 256, (w, np.int64(w.numel() * 2 // 16), sink))
+        half = torch.empty(nbytes // 4, dtype=torch.int16, device="cuda"), torch.empty(nbytes // 4, dtype=torch.int16,
+                                                                                      device="cuda")
+        fns["ceiling: copy of the same bytes"] = lambda half=half: half[1].copy_(half[0])
+        fns["ceiling: empty launch"] = lambda: stream.launch(1, 256, (w, np.int64(0), sink))
         print(f"W {n} x {k} ({nbytes / 1e6:.1f} MB)")
-        for name, us in sorted(time_us(fns).items(), key=lambda item: item[1]):
+        times = time_us(fns, ROUNDS)
+        # the floor of one launch under this timing: the empty launch, then the bytes at the copy rate
+        times["floor: empty launch + the bytes at copy bandwidth"] = times["ceiling: empty launch"] + \
+            nbytes / copy_gbps / 1e3
+        for name, us in sorted(times.items(), key=lambda item: item[1]):
             print(f"  {us:7.1f} us  {100 * nbytes / us / 1e3 / copy_gbps:5.1f}% of copy  {name}")
 
 

@@ -4,7 +4,7 @@
 # PARTS picks what runs (default: all): any of  tests examples ladder sweep ladder-bf16 sweep-bf16 bench-gemm
 #   tests-attention sweep-attention bench-attention   ("tests" already includes tests-attention)
 #   tests-serving bench-serving   (SERVING_SHAPES picks the serving groups, default all)
-#   profile-gemm (ncu of the GEMMs at 4096^3; not in the default)
+#   profile-gemm profile-fp8 (ncu of the GEMMs at 4096^3, of the block-scaled FP8 GEMM; not in the default)
 #   tests-gemm-bf16 variants-bf16 host-overhead   (the bf16 GEMM's GPU tests, device-time variants (VARIANT_SET
 #                                                  split or epilogue, VARIANT_ROUNDS), host time per call)
 #   tests-quant bench-quant   (the quantized formats and kernels; QUANT_SHAPES picks bench groups, default all)
@@ -102,6 +102,14 @@ fi
 if [[ $parts == *" bench-serving "* ]]; then
   python3 -m kforge bench serving --shapes "${SERVING_SHAPES:-all}" --results "$out/bench-serving.jsonl" 2>&1 \
     | tee "$out/bench-serving.txt"
+fi
+if [[ $parts == *" profile-fp8 "* ]]; then
+  ncu --clock-control none --profile-from-start off --set full -f -o "$out/fp8-block" \
+    python3 scripts/profile_fp8_block.py 2>&1 | tail -5 | tee "$out/profile-fp8.log"
+  ncu -i "$out/fp8-block.ncu-rep" --page raw --csv \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" > "$out/profile-fp8-stalls.csv" 2>&1
+  ncu -i "$out/fp8-block.ncu-rep" --page details > "$out/profile-fp8.txt" 2>&1
+  grep -E "fp8_block_gemm|sm90|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Issue Slots|Tensor|Shared|Stall|Registers|Achieved" "$out/profile-fp8.txt" | head -80
 fi
 if [[ $parts == *" profile-gemm "* ]]; then
   ncu --clock-control none --profile-from-start off --set full -f -o "$out/gemm-4096" \

@@ -24,7 +24,7 @@ def test_shapes_cover_the_issue():
     assert any(s.sizes["B"] == 1 for s in groups["w4a16"]) and max(s.sizes["B"] for s in groups["w4a16"]) == 32
     assert len({s.label for s in SHAPES}) == len(SHAPES)
     jobs = list(quant_jobs(groups["fp8"][:1]))
-    assert [j.candidate.name for j in jobs] == ["ours block", "ours row", "ours tensor"]
+    assert [j.candidate.name for j in jobs] == ["ours block", "ours block Triton", "ours row", "ours tensor"]
 
 
 # At tiny size only the constants that change what is computed survive: one case per (problem, baseline).

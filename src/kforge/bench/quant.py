@@ -29,7 +29,8 @@ FP8_BASELINES = {0: "_scaled_mm rowwise", 1: "_scaled_mm tensorwise", 2: "bf16 c
 # --- our kernels, shaped as the problems' forwards ---------------------------------------------
 
 class OursFp8Gemm:
-    """fp8_gemm with the scaling named; the problem's scales come as rows [M, 1] and [1, N]."""
+    """fp8_gemm with the scaling named ("block": the CUDA kernel, fp8_block_gemm.cu; "block-triton":
+    the Triton one); the problem's scales come as rows [M, 1] and [1, N]."""
 
     def __init__(self, scaling: str):
         self.scaling = scaling
@@ -42,7 +43,8 @@ class OursFp8Gemm:
         if self.scaling == "row":
             return fp8_gemm(a, b, a_scale, b_scale.t(), "row")
         blocks = -(-a.shape[1] // SCALE_BLOCK)  # 1 x 128 blocks of A, 128 x 128 of B, as DeepGEMM's
-        return fp8_gemm(a, b, a_scale.expand(-1, blocks), b_scale[:, ::SCALE_BLOCK].t().expand(-1, blocks), "block")
+        a_scale, b_scale = a_scale.expand(-1, blocks), b_scale[:, ::SCALE_BLOCK].t().expand(-1, blocks)
+        return fp8_gemm(a, b, a_scale, b_scale, "block", prefer_cuda=self.scaling == "block")
 
 
 class OursW4a16:
@@ -79,8 +81,11 @@ class QuantShape:
 def quant_shapes() -> list[QuantShape]:
     fp8 = PROBLEMS / "quant" / "fp8_gemm_e4m3.py"
     shapes = [QuantShape("fp8", f"fp8 GEMM 4096x7168x16384 vs {name}", fp8, {"BASELINE": baseline},
-                         {"ours block": lambda: OursFp8Gemm("block"), "ours row": lambda: OursFp8Gemm("row"),
-                          "ours tensor": lambda: OursFp8Gemm("tensor")}, ("fp8_gemm.py",))
+                         {"ours block": lambda: OursFp8Gemm("block"),
+                          "ours block Triton": lambda: OursFp8Gemm("block-triton"),
+                          "ours row": lambda: OursFp8Gemm("row"),
+                          "ours tensor": lambda: OursFp8Gemm("tensor")},
+                         ("fp8_gemm.py", "fp8_block_gemm.py", "fp8_block_gemm.cu"))
               for baseline, name in FP8_BASELINES.items()]
     for b, n, k in ((1, 4096, 4096), (1, 14336, 4096), (1, 4096, 14336), (1, 28672, 4096), (16, 14336, 4096),
                     (32, 4096, 4096)):

@@ -1,5 +1,6 @@
 """`kforge.ops.fp8.fp8_gemm(a, b, a_scale, b_scale, scaling="block")`: C = dequant(a) @ dequant(b)^T
-in bf16, from fp8 e4m3 operands, on kforge's Triton kernel (`kforge.kernels.quant.fp8_gemm`).
+in bf16, from fp8 e4m3 operands, on kforge's kernels (`kforge.kernels.quant.fp8_gemm`: Triton, and
+for block scaling the CUDA kernel `fp8_block_gemm`).
 
 a [M, K] and b [N, K] as a linear layer keeps them (activations, weight: out x in); fp32
 scales per `scaling`: "tensor" (two 0-d scales), "row" (a_scale [M, 1], b_scale [N, 1]) or

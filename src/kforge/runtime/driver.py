@@ -30,7 +30,7 @@ from kforge.errors import KforgeError
 
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN = 128, 64
-DATA_TYPES = {"float16": 6, "bfloat16": 9}  # CUtensorMapDataType
+DATA_TYPES = {"uint8": 0, "float16": 6, "bfloat16": 9}  # CUtensorMapDataType (fp8 travels as uint8)
 SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}  # swizzle bytes -> CUtensorMapSwizzle
 L2_PROMOTIONS = {0: 0, 64: 1, 128: 2, 256: 3}  # bytes -> CUtensorMapL2promotion
 

@@ -256,17 +256,24 @@ def check_fp8_gemm_inputs(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tenso
 
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
              scaling: str = "block", *, fast_accum: bool = False, out_dtype: torch.dtype = torch.bfloat16,
-             config: dict | None = None) -> torch.Tensor:
+             config: dict | None = None, prefer_cuda: bool = True) -> torch.Tensor:
     """C [M, N] = dequant(a) @ dequant(b)^T for fp8 e4m3 a [M, K], b [N, K] (see the module docstring).
 
     scaling: "tensor" (0-d scales), "row" (a_scale [M, 1], b_scale [N, 1]) or "block"
     (a_scale [M, K/128], b_scale [ceil(N/128), K/128]; a_scale may also be the transpose
     of a contiguous [K/128, M] tensor). fp32 accumulation, promoted every 128 K unless
     fast_accum. `config` (BM, BN, BK, SPLIT_N, GROUP_M, FLATTEN, num_stages, num_warps)
-    skips the autotuner: the CPU tests run small tiles under the Triton interpreter.
+    skips the autotuner: the CPU tests run small tiles under the Triton interpreter. Block
+    scaling to bf16 on a GPU (N a multiple of 8, no config) runs the CUDA kernel instead
+    (`fp8_block_gemm.py`, 1.4x this one), unless prefer_cuda=False.
     """
     check_fp8_gemm_inputs(a, b, a_scale, b_scale, scaling, fast_accum=fast_accum, out_dtype=out_dtype)
     (m, k), n = a.shape, b.shape[0]
+    if prefer_cuda and scaling == "block" and out_dtype == torch.bfloat16 and a.is_cuda and config is None \
+            and n % 8 == 0:
+        from kforge.kernels.quant.fp8_block_gemm import fp8_block_gemm
+
+        return fp8_block_gemm(a, b, a_scale, b_scale)
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c

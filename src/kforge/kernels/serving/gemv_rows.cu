@@ -1,20 +1,25 @@
 // Decode GEMV for one token, bf16: y[n] = sum_k W[n, k] x[k], fp32 sums, one rounding.
 //
 // One warp per row of W. A lane reads 16 bytes (8 values) at a time, the warp 512
-// contiguous bytes, CHUNK such reads in flight per lane before the first multiply: with
-// 8 warps a block and ~3 blocks an SM, ~100 KB of W is requested per SM at once, four
-// times what Little's law asks (3.35 TB/s x ~1 us / 132 SMs). That is a copy kernel's
-// access pattern: every warp starts streaming at launch, so the ramp that the Triton
-// GEMV pays (a few programs an SM, each waiting out its loads before its FMAs) shrinks to
-// one memory latency. W is read once, so its loads skip L1 (no_allocate); x (at most
-// 28 KB) is read by every warp of an SM and stays in L1. The partial sums, one per CHUNK
-// slot (independent FMA chains), meet in a butterfly of shuffles at the end.
+// contiguous bytes, CHUNK reads a step per lane. Every warp of the grid (4096 rows: 512
+// blocks of 8 warps, one wave at ~4 blocks an SM) starts streaming at launch, as a copy
+// kernel does. W is read once, so its loads skip L1 (no_allocate); x (at most 32 KB) is
+// read by every warp of an SM and stays in L1. The partial sums, one per CHUNK slot
+// (independent FMA chains), meet in a butterfly of shuffles at the end.
+//
+// Measured on the H100 (2026-11-22, scripts/gemv_sweep.py): 97-100% of a read-only stream
+// of the same bytes (scripts/read_stream.cu) at every Llama-3-8B width. CHUNK = 4 was the
+// best or within 1% of it at every width; 8 and 16 lost up to 9% where ptxas interleaved
+// each load's FMAs before the next load. Staging W through shared memory with cp.async
+// (4-8 stages) lost 5-25%: fewer warps an SM for the same bytes in flight.
 // K must be a multiple of 8 and W's rows 16-byte aligned (the wrapper checks).
 
 #ifndef CHUNK
-#define CHUNK 8  // 16-byte loads in flight per lane per step
+#define CHUNK 4  // 16-byte loads per lane per step
 #endif
+#ifndef WARPS
 #define WARPS 8  // rows per block
+#endif
 
 typedef unsigned int u32;
 
@@ -56,7 +61,17 @@ gemv_bf16(const uint4* __restrict__ W, const uint4* __restrict__ x, unsigned sho
 #pragma unroll
         for (int c = 0; c < CHUNK; ++c) part[c] = fma_chunk(wv[c], xv[c], part[c]);
     }
-    for (; base < K8; base += 32) part[0] = fma_chunk(load_once(w + base), __ldg(x + base), part[0]);  // the tail
+    if (base < K8) {  // the tail: fewer than CHUNK loads left per lane, issued together, predicated
+        uint4 wv[CHUNK], xv[CHUNK];
+#pragma unroll
+        for (int c = 0; c < CHUNK; ++c) {
+            const bool inside = base + 32 * c < K8;
+            wv[c] = inside ? load_once(w + base + 32 * c) : make_uint4(0, 0, 0, 0);
+            xv[c] = inside ? __ldg(x + base + 32 * c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int c = 0; c < CHUNK; ++c) part[c] = fma_chunk(wv[c], xv[c], part[c]);
+    }
     float sum = 0.0f;
 #pragma unroll
     for (int c = 0; c < CHUNK; ++c) sum += part[c];

@@ -1,0 +1,112 @@
+"""Block-scaled FP8 GEMM in CUDA (`fp8_block_gemm.cu`): C = sum_j sa_j sb_j (A_j @ B_j^T) in bf16.
+
+The same contract as `fp8_gemm(..., scaling="block")` (fp8_gemm.py, the Triton kernel):
+A [M, K] and B [N, K] float8_e4m3fn, row-major; a_scale [M, K/128] fp32 (any strides, so an
+expanded or transposed tensor is taken as it is); b_scale [ceil(N/128), K/128] fp32; C [M, N]
+bf16. K must be a multiple of 128 (one scale block a K step) and N of 8 (C's rows are stored
+by TMA, 16-byte aligned). The kernel's design and why it differs from the Triton one: the
+header of the `.cu` file.
+
+`fp8_block_gemm` launches it through the lean driver path (`runtime/driver.py`): a plan per
+(M, N, K, device) keeps the prepared launch and the operands' TMA descriptors by address.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from threading import get_ident
+
+import torch
+
+from kforge.kernels.quant.fp8_gemm import check_fp8_gemm_operands
+from kforge.runtime.cuda import CudaKernel
+from kforge.runtime.driver import TensorMaps
+
+SOURCE = Path(__file__).with_name("fp8_block_gemm.cu")
+KINDS = ("map", "map", "map", "i32", "i32", "i32", "ptr", "i32", "i32", "ptr", "i32", "i32")
+
+
+def shared_bytes(stages: int, block_n: int) -> int:
+    """SHARED_BYTES of the source: the ring (A tiles of 128 x 128 bytes, B tiles of block_n x 128),
+    two 64 x 128 bf16 epilogue buffers, the 1024-byte alignment slack and two mbarriers a stage."""
+    return stages * (128 + block_n) * 128 + 2 * 64 * 128 * 2 + 1024 + 2 * stages * 8
+
+
+def check_fp8_block_gemm_inputs(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
+                                b_scale: torch.Tensor) -> None:
+    """What the CUDA kernel needs beyond the block-scaling contract: a Hopper GPU, TMA-readable rows."""
+    check_fp8_gemm_operands(a, b, a_scale, b_scale, "block")
+    if not a.is_cuda or torch.cuda.get_device_capability(a.device) < (9, 0):
+        raise ValueError("fp8_block_gemm needs a Hopper GPU (sm_90a: wgmma and TMA)")
+    if b.shape[0] % 8:
+        raise ValueError(f"N = {b.shape[0]}: C's rows are stored by TMA (16-byte aligned), so N must be a multiple "
+                         "of 8")
+    if not (a.is_contiguous() and b.is_contiguous()) or a.data_ptr() % 16 or b.data_ptr() % 16:
+        raise ValueError("a and b must be contiguous (row-major) and 16-byte aligned: TMA reads them")
+    if max(a_scale.numel(), b_scale.numel(), *map(abs, a_scale.stride()), *map(abs, b_scale.stride())) >= 2**31:
+        raise ValueError("the scales' sizes and strides must fit 32-bit ints")
+
+
+class _Plan:
+    """One shape's launch: grid = one CTA per SM (or per tile, if fewer), the prepared driver
+    launch, and A's, B's and C's TMA descriptors kept by address."""
+
+    def __init__(self, kernel: CudaKernel, stages: int, block_n: int, cluster: int, m: int, n: int, k: int,
+                 index: int):
+        jobs = -(-m // (128 * cluster)) * -(-n // block_n)  # a job: one tile per CTA of a cluster
+        threads, smem = 384, shared_bytes(stages, block_n)
+        with torch.cuda.device(index):
+            resident = kernel.max_active_clusters(threads, cluster, smem, index)
+            self.launch = kernel.lean((min(jobs, resident) * cluster,), threads, index, kinds=KINDS,
+                                      shared_bytes=smem, cluster=(cluster, 1, 1) if cluster > 1 else None)
+        # B's box: this CTA's share of a tile's rows (each CTA of a cluster multicasts its share to all)
+        self.maps = (TensorMaps("uint8", m, k, k, (128, 128)),
+                     TensorMaps("uint8", n, k, k, (block_n // cluster, 128)),
+                     TensorMaps("bfloat16", m, n, 2 * n, (64, 64)))
+        self.shape, self.index = (m, n, k), index
+
+    def __call__(self, a, b, c, a_scale, b_scale) -> None:
+        maps = (self.maps[0].address_of(a.data_ptr()), self.maps[1].address_of(b.data_ptr()),
+                self.maps[2].address_of(c.data_ptr()))
+        self.launch(torch._C._cuda_getCurrentRawStream(self.index), *maps, *self.shape,
+                    a_scale.data_ptr(), *a_scale.stride(), b_scale.data_ptr(), *b_scale.stride())
+
+
+SHARED_LIMIT = 227 * 1024
+DEEPEST = {block_n: max(s for s in range(2, 12) if shared_bytes(s, block_n) <= SHARED_LIMIT) for block_n in (128, 256)}
+_KERNELS: dict[tuple[int, int, int], CudaKernel] = {}
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def fp8_block_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, *,
+                   block_n: int = 256, stages: int | None = None, cluster: int = 2) -> torch.Tensor:
+    """C [M, N] bf16 = the block-scaled product of fp8 e4m3 a [M, K] and b [N, K] (module docstring).
+    The defaults are the fastest measured (the `.cu` header): block_n, the tile's columns, 256
+    (or 128); `stages`, the ring depth, the deepest that fits shared memory; `cluster`, 2 CTAs
+    on consecutive row tiles sharing each load of B by TMA multicast (or 1)."""
+    if block_n not in DEEPEST:
+        raise ValueError(f"block_n must be one of {tuple(DEEPEST)}, got {block_n}")
+    if cluster not in (1, 2):
+        raise ValueError(f"cluster must be 1 or 2, got {cluster}")
+    stages = stages or DEEPEST[block_n]
+    if shared_bytes(stages, block_n) > SHARED_LIMIT:
+        raise ValueError(f"{stages} stages of 128 x {block_n} tiles need {shared_bytes(stages, block_n)} bytes of "
+                         f"shared memory; at most {SHARED_LIMIT}")
+    check_fp8_block_gemm_inputs(a, b, a_scale, b_scale)
+    (m, k), n = a.shape, b.shape[0]
+    c = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
+    if m == 0 or n == 0:
+        return c
+    variant = (stages, block_n, cluster)
+    kernel = _KERNELS.get(variant)
+    if kernel is None:
+        kernel = _KERNELS[variant] = CudaKernel.from_file(SOURCE, "fp8_block_gemm", defines={
+            "STAGES": stages, "BN": block_n, "CLUSTER_M": cluster})
+    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    key = (m, n, k, *variant, index, get_ident())  # a plan's launch object is not shared between threads
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _Plan(kernel, *variant, m, n, k, index)
+    plan(a, b, c, a_scale, b_scale)
+    return c
+
