@@ -8,7 +8,9 @@ in kforge by default until measured; also its CHUNK x WARPS variants) are checke
 F.linear, then timed after a reading L2 flush (as the timing engine does), interleaved with
 cuBLAS, 200 rounds, medians of CUDA event times; prints us and % of a copy's bandwidth
 measured in the same run. Three ceilings sit among them: a read-only stream of W's bytes
-(`read_stream.cu`), a copy of the same bytes, and an empty launch.
+(`read_stream.cu`), a copy of the same bytes, and an empty launch. Then the CUDA kernel,
+cuBLAS and the read stream again as a decode step runs them: eight calls on eight weights
+back to back in one CUDA graph, per call (no launch or event gap between them).
 """
 
 import kforge  # noqa: F401  (before triton)
@@ -30,6 +32,7 @@ TILES += [dict(BLOCK_N=bn, BLOCK_K=bk, USE_DOT=True, num_warps=w, num_stages=s)
                                (16, 128, 2, 6), (16, 128, 2, 8), (64, 128, 4, 4), (32, 128, 4, 6))]
 
 ROUNDS = 200
+GRAPHED = 8  # calls in the back-to-back graph
 ROWS_VARIANTS = [(4, 4), (8, 8), (16, 4)]  # (CHUNK, WARPS) beside the default (4, 8)
 
 
@@ -98,6 +101,26 @@ def main():
             nbytes / copy_gbps / 1e3
         for name, us in sorted(times.items(), key=lambda item: item[1]):
             print(f"  {us:7.1f} us  {100 * nbytes / us / 1e3 / copy_gbps:5.1f}% of copy  {name}")
+        # As a decode step runs them: GRAPHED calls back to back in one CUDA graph, each on its own
+        # weight (GRAPHED x W is more than L2 holds), timed over the replay; per call.
+        weights = [w] + [torch.randn_like(w) for _ in range(GRAPHED - 1)]
+        outs = [torch.empty(1, n, dtype=torch.bfloat16, device="cuda") for _ in weights]
+        graphed = {"rows kernel": lambda wi, yi: gemv_module.launch_rows_kernel(x, wi, yi),
+                   "cuBLAS": lambda wi, yi: torch.matmul(x, wi.t(), out=yi),
+                   "ceiling: read stream": lambda wi, yi: stream.launch(blocks, 256,
+                                                                       (wi, np.int64(wi.numel() * 2 // 16), sink))}
+        replays = {}
+        for name, one in graphed.items():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for wi, yi in zip(weights, outs):
+                    one(wi, yi)
+            replays[name] = graph.replay
+        print(f"  {GRAPHED} calls back to back in one CUDA graph, per call:")
+        for name, us in sorted(time_us(replays, ROUNDS // 4).items(), key=lambda item: item[1]):
+            per_call = us / GRAPHED
+            print(f"  {per_call:7.1f} us  {100 * nbytes / per_call / 1e3 / copy_gbps:5.1f}% of copy  {name} (graph)")
+        del weights, outs, replays
 
 
 if __name__ == "__main__":

@@ -4,13 +4,14 @@
 # PARTS picks what runs (default: all): any of  tests examples ladder sweep ladder-bf16 sweep-bf16 bench-gemm
 #   tests-attention sweep-attention bench-attention   ("tests" already includes tests-attention)
 #   tests-serving bench-serving   (SERVING_SHAPES picks the serving groups, default all)
-#   profile-gemm profile-fp8 (ncu of the GEMMs at 4096^3, of the block-scaled FP8 GEMM; not in the default)
+#   profile-gemm profile-fp8 (ncu of the GEMMs at 4096^3; of the block-scaled FP8 GEMM; not in the default)
 #   tests-gemm-bf16 variants-bf16 host-overhead   (the bf16 GEMM's GPU tests, device-time variants (VARIANT_SET
 #                                                  split or epilogue, VARIANT_ROUNDS), host time per call)
 #   tests-quant bench-quant   (the quantized formats and kernels; QUANT_SHAPES picks bench groups, default all)
+#   fp8-variants   (the block-scaled FP8 GEMM's tile, ring and cluster variants beside Triton and _scaled_mm)
 #   suite-level1 suite-level2 suite-level3   (kforge's suites with its own solutions, vs eager and torch.compile)
 #   fused-linear host-profile-level3   (fused_linear_bench.py; host and device time of the Level 3 blocks)
-#   gemv-rows   (the one-token CUDA GEMV, off by default: its GPU tests and gemv_sweep.py)
+#   gemv-rows   (the decode GEMV: its GPU tests and gemv_sweep.py, tiles, the one-token CUDA kernel, ceilings)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
@@ -70,9 +71,12 @@ if [[ $parts == *" gemv-rows "* ]]; then
   python3 -m pytest -q -m gpu tests/kernels/test_gemv.py 2>&1 | tail -15 | tee "$out/pytest-gpu-gemv.log"
   python3 scripts/gemv_sweep.py 2>&1 | tee "$out/gemv-sweep.txt"
 fi
+if [[ $parts == *" fp8-variants "* ]]; then
+  (cd scripts && python3 fp8_block_variants.py) 2>&1 | tee "$out/fp8-variants.txt"
+fi
 if [[ $parts == *" tests-quant "* ]]; then
   python3 -m pytest -q -m gpu tests/kernels/test_quant_formats.py tests/kernels/test_w4a16.py \
-    tests/kernels/test_nvfp4_gemv.py tests/kernels/test_fp8_gemm.py 2>&1 | tail -30 | tee "$out/pytest-gpu-quant.log"
+    tests/kernels/test_nvfp4_gemv.py tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8_block_gemm.py 2>&1 | tail -30 | tee "$out/pytest-gpu-quant.log"
 fi
 if [[ $parts == *" bench-quant "* ]]; then
   python3 -m kforge bench quant --shapes "${QUANT_SHAPES:-all}" --results "$out/bench-quant.jsonl" 2>&1 \
