@@ -1,4 +1,5 @@
-// Hopper building blocks for the bf16 GEMM rungs, one thin wrapper per PTX instruction.
+// Hopper building blocks for the bf16 GEMM rungs and the FP8 GEMM (quant/fp8_block_gemm.cu), one thin
+// wrapper per PTX instruction.
 // Each rung file keeps its own idea (the pipeline, the roles, the schedule); this header
 // only names the instructions so the rungs read as algorithms. PTX ISA 8.x, sm_90a.
 //

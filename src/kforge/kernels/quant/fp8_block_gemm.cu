@@ -21,16 +21,16 @@
 // Tile 128 x BN x 128 bytes. BN = 128: a stage is 16 + 16 KB, 6 stages; registers 64 (acc)
 // + 64 (partial). BN = 256: the two 128-column halves (one sb block each) take turns in the
 // one partial, acc is 2 x 64; a stage is 16 + 32 KB, 4 stages: A is read once per 256
-// columns, a third less TMA traffic into shared memory per FLOP. The epilogue goes out in
+// columns, a quarter less TMA traffic into shared memory per FLOP. The epilogue goes out in
 // 64 x 128 halves through one 16 KB buffer a consumer. The scales come through plain loads
 // (L2: 2 MB of sa at the shape above), one K block ahead of the promotion that uses them.
 //
 // Measured on the H100 (2026-11-22, scripts/fp8_block_variants.py, device time at 4096 x 7168
 // x 16384): BN 256 with clusters of two, 1185-1209 TFLOP/s (0.85x torch._scaled_mm rowwise,
 // which promotes too); BN 256 alone 1149-1199; BN 128 990-1014; the Triton kernel 835-852.
-// Also tried and dropped: scales loaded two chains earlier (no change), a third consumer
-// warpgroup (192 x 128 tiles at 160 registers: 942-1054, fewer columns per A load and a
-// 10-wave grid at this shape). ncu of BN 256 (no cluster): tensor pipe 68% of elapsed cycles,
+// Loading the scales a K block ahead rather than beside their chain changed nothing
+// measurable (kept). Tried and dropped: a third consumer warpgroup (192 x 128 tiles at 160
+// registers: 942-1054; a 10-wave grid at this shape). ncu of BN 256 (no cluster): tensor pipe 68% of elapsed cycles,
 // SMs active 93% of them (896 tiles are 6.8 waves); cuBLAS's rowwise kernel, 128 x 128 x 128
 // with 6 stages: tensor pipe 92%.
 #include "../gemm_bf16/hopper.cuh"
