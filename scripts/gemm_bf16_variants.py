@@ -9,7 +9,8 @@ medians of CUDA event times (no host time: this is the kernel alone). SET "split
 split-K variant. SET "epilogue": rung 4 against its epilogue variants (two slice buffers,
 a whole-tile buffer at 3 stages) and rung 6 (ping-pong) at large squares and LLM shapes.
 SET "shortk": rungs 4, 5, 6 and 128 x 128 tiles on the GEMMs of GPT-2 small and ViT-L
-(K 768-4096, the LM head's N 50304), where the epilogue weighs most.
+(K 768-4096, the LM head's N 50304), where the epilogue weighs most. SET "tiles": 128 x 256
+(rungs 4, 5) against 256 x 128 (cuBLAS's tile at 4096^3), at squares and an LLM shape.
 """
 
 import sys
@@ -29,12 +30,15 @@ EPILOGUE = [("rung 4 2 x 64-wide buffers", 4, {"EPI_COLS": 64, "EPI_BUFFERS": 2}
             ("rung 6", 6, {})]
 SHORT_K = [("rung 5", 5, {}), ("rung 6", 6, {}), ("rung 6 EPI_COLS 128", 6, {"EPI_COLS": 128}),
            ("rung 4 128 x 128", 4, {"BN": 128, "STAGES": 6, "EPI_COLS": 64})]
+TALL = gemm_bf16.TALL_TILE
+TILES = [("rung 5", 5, {}), ("rung 4 256 x 128", 4, TALL), ("rung 5 256 x 128", 5, TALL),
+         ("rung 4 256 x 128 GROUP_M 16", 4, dict(TALL, GROUP_M=16))]
 
 
 def variants(m, n, k, which="split"):
-    if which in ("epilogue", "shortk"):
+    if which in ("epilogue", "shortk", "tiles"):
         yield "rung 4", dict(step=4), 0
-        for name, number, defines in EPILOGUE if which == "epilogue" else SHORT_K:
+        for name, number, defines in {"epilogue": EPILOGUE, "shortk": SHORT_K, "tiles": TILES}[which]:
             yield name, dict(step=number, defines=defines), 0
         return
     if m == n == k == 4096:
@@ -76,6 +80,7 @@ SHAPES = {
               (16, 8192, 28672, "nk"), (128, 10240, 8192, "nk"), (16, 6144, 4096, "nk")],
     "shortk": [(8192, 50304, 768, "nk"), (8192, 2304, 768, "nk"), (8192, 768, 768, "nk"), (8192, 768, 3072, "nk"),
                (12608, 3072, 1024, "nk"), (12608, 1024, 1024, "nk"), (12608, 1024, 4096, "nk")],
+    "tiles": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (8192, 8192, 8192, "kn"), (4096, 14336, 4096, "nk")],
     "epilogue": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (8192, 8192, 8192, "kn"), (2048, 2048, 2048, "kn"),
                  (4096, 14336, 4096, "nk"), (4096, 4096, 14336, "nk"), (16384, 4096, 4096, "nk")],
 }

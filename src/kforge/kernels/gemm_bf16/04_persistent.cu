@@ -20,6 +20,11 @@
 // A fused epilogue (EPI_BIAS, EPI_ACT, EPI_RESIDUAL) applies a bias, an activation and a
 // residual add to the fp32 accumulator slice by slice, just before it is rounded: what eager
 // PyTorch does in further passes over C costs here ALU time and the residual's read.
+// WG_ROWS 128 (with BM 256, BN 128) gives each consumer a 128 x 128 slab as two 64 x 128
+// accumulators, the same B slice multiplied by both halves of its A rows: cuBLAS's tile
+// shape at 4096^3 (ncu, 2026-11-22). Measured the same as 128 x 256 (0.974x against 0.976x
+// cuBLAS at 4096^3, 1.010x against 1.008x at 8192^3; scripts/gemm_bf16_variants.py tiles),
+// so the shape is not what cuBLAS's last 2% comes from.
 // Why: rung 3 paid a launch-sized pipeline fill and a global-store epilogue per tile,
 // and its last wave left most SMs idle.
 // Predicted: parity with cuBLAS at 4096^3 and above.
@@ -65,7 +70,10 @@
 #define EPI_RESIDUAL 0  // 1: then + residual, a bf16 M x N tensor (a transformer's residual stream)
 #endif
 
-#define CONSUMERS (BM / 64)
+#ifndef WG_ROWS
+#define WG_ROWS 64  // rows a consumer warpgroup owns: 64 (one m64 wgmma a k-step) or 128 (two; e.g. 256 x 128 tiles)
+#endif
+#define CONSUMERS (BM / WG_ROWS)
 #define NUM_THREADS (128 * (CONSUMERS + 1))
 #define A_TILE (BM * BK)
 #define B_TILE (BN * BK)
@@ -76,6 +84,8 @@
 static_assert(BK == 64, "the swizzle atom is one 64-value row");
 static_assert(SHARED_BYTES <= 227 * 1024, "fits one block's shared memory");
 static_assert(CONSUMERS == 2, "the register split below is for one producer and two consumers");
+static_assert(WG_ROWS == 64 || (WG_ROWS == 128 && BN == 128 && !SPLIT_K),
+              "128 rows a warpgroup: two 64 x 128 accumulators, the registers of one 64 x 256");
 static_assert(BN % EPI_COLS == 0 && EPI_COLS % 64 == 0, "the epilogue slices the tile into 64-column boxes");
 static_assert(EPI_BUFFERS == 1 || EPI_BUFFERS == 2, "one epilogue buffer, or two in turn");
 static_assert(B_CHUNKS % CLUSTER_M == 0, "each CTA of a cluster loads an equal share of B");
@@ -157,7 +167,7 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
             else
                 for (int r = 0; r < CLUSTER_M; ++r) mbar_arrive_cluster(&empty[s], r);
         };
-        float acc[BN / 2];
+        float acc[BN / 2], acc_lower[BN / 2];  // acc_lower: rows 64-127 of the warpgroup's slab (WG_ROWS 128)
         int it = 0;
         for (int job = first_job; job < jobs; job += job_stride) {
             int cm, tn;
@@ -170,9 +180,13 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
                 wgmma_fence();
 #pragma unroll
                 for (int ks = 0; ks < BK / 16; ++ks) {
-                    const u64 a = kmajor_desc(a_tile(s) + consumer * 64 * BK, ks);
+                    const u64 a = kmajor_desc(a_tile(s) + consumer * WG_ROWS * BK, ks);
                     const u64 b = B_KMAJOR ? kmajor_desc(b_tile(s), ks) : nmajor_desc<BK>(b_tile(s), ks);
                     wgmma_m64k16<BN, !B_KMAJOR>(acc, a, b, kt > kt_begin || ks > 0);
+                    if constexpr (WG_ROWS == 128) {  // the same B slice against the slab's lower 64 rows
+                        const u64 a_lower = kmajor_desc(a_tile(s) + (consumer * WG_ROWS + 64) * BK, ks);
+                        wgmma_m64k16<BN, !B_KMAJOR>(acc_lower, a_lower, b, kt > kt_begin || ks > 0);
+                    }
                 }
                 wgmma_commit();
                 wgmma_wait<1>();
@@ -228,21 +242,25 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
 
             // Epilogue, slice by slice: wait until the buffer's previous store has read it, fill it, store it.
             // Stores complete in order, so with two buffers "all but the latest group" is this buffer's.
+            auto store_rows = [&](const float (&d)[BN / 2], int first_row) {  // one 64-row accumulator
 #pragma unroll
-            for (int first = 0; first < BN; first += EPI_COLS) {
-                bf16_bits* slice = c_tile + (first / EPI_COLS) % EPI_BUFFERS * 64 * EPI_COLS;
-                if (thread == 0) bulk_wait_read<EPI_BUFFERS - 1>();
-                named_barrier(1 + consumer, 128);
-                store_cols_swizzled<BN, EPI_COLS, EPI_BIAS, EPI_ACT, EPI_RESIDUAL>(
-                    acc, slice, first, row0 + consumer * 64, col0, M, N, bias, residual);
-                fence_proxy_async();
-                named_barrier(1 + consumer, 128);
-                if (thread == 0) {
-                    for (int c = 0; c < EPI_COLS / 64; ++c)
-                        tma_store_2d(c_map, slice + c * 64 * 64, col0 + first + 64 * c, row0 + consumer * 64);
-                    bulk_commit();
+                for (int first = 0; first < BN; first += EPI_COLS) {
+                    bf16_bits* slice = c_tile + (first / EPI_COLS) % EPI_BUFFERS * 64 * EPI_COLS;
+                    if (thread == 0) bulk_wait_read<EPI_BUFFERS - 1>();
+                    named_barrier(1 + consumer, 128);
+                    store_cols_swizzled<BN, EPI_COLS, EPI_BIAS, EPI_ACT, EPI_RESIDUAL>(
+                        d, slice, first, first_row, col0, M, N, bias, residual);
+                    fence_proxy_async();
+                    named_barrier(1 + consumer, 128);
+                    if (thread == 0) {
+                        for (int c = 0; c < EPI_COLS / 64; ++c)
+                            tma_store_2d(c_map, slice + c * 64 * 64, col0 + first + 64 * c, first_row);
+                        bulk_commit();
+                    }
                 }
-            }
+            };
+            store_rows(acc, row0 + consumer * WG_ROWS);
+            if constexpr (WG_ROWS == 128) store_rows(acc_lower, row0 + consumer * WG_ROWS + 64);
         }
         if (thread == 0) bulk_wait_read();  // the CTA's shared memory must outlive the last store's reads
     }

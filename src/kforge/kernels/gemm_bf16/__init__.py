@@ -43,7 +43,7 @@ def _stage_bytes(p: Mapping[str, int]) -> int:
 
 
 def _persistent_bytes(p: Mapping[str, int]) -> int:  # the stages, the consumers' epilogue slices, barriers
-    epilogue = p["BM"] * p["EPI_COLS"] * p.get("EPI_BUFFERS", 1) * 2
+    epilogue = p["BM"] // p.get("WG_ROWS", 64) * 64 * p["EPI_COLS"] * p.get("EPI_BUFFERS", 1) * 2
     return p["STAGES"] * _stage_bytes(p) + epilogue + 1024 + 2 * p["STAGES"] * 8
 
 
@@ -62,9 +62,9 @@ RUNGS: tuple[Rung, ...] = (
     Rung(2, "tma_wgmma", lambda p: 128 * p["BM"] // 64, lambda p: p["STAGES"] * _stage_bytes(p) + 1024 + p["STAGES"] * 8),
     Rung(3, "warp_specialized", lambda p: 128 * (p["BM"] // 64 + 1),
          lambda p: p["STAGES"] * _stage_bytes(p) + 1024 + 2 * p["STAGES"] * 8),
-    Rung(4, "persistent", lambda p: 128 * (p["BM"] // 64 + 1),
+    Rung(4, "persistent", lambda p: 128 * (p["BM"] // p["WG_ROWS"] + 1),
          _persistent_bytes, True),
-    Rung(5, "clusters", lambda p: 128 * (p["BM"] // 64 + 1),
+    Rung(5, "clusters", lambda p: 128 * (p["BM"] // p["WG_ROWS"] + 1),
          _persistent_bytes, True),
     # one producer and two consumers, each consumer a whole BM x BN tile; two turn barriers
     Rung(6, "pingpong", lambda p: 384, lambda p: _persistent_bytes(p) + 16, True),
@@ -125,6 +125,8 @@ TMA_L2_PROMOTION_BYTES = 0  # the operand descriptors' L2 promotion (0, 64, 128,
 # Rung 4 for shapes with fewer 128 x 256 tiles than SMs: 128 x 128 tiles and split-K.
 SPLIT_K_VARIANT = {"BN": 128, "STAGES": 6, "EPI_COLS": 64, "SPLIT_K": 1}
 MIN_K_TILES_PER_SPLIT = 4  # below this a split's pipeline fill and its partial's round trip outweigh the work
+# Rungs 4 and 5 with cuBLAS's tile at 4096^3 (ncu, 2026-11-22): 256 x 128, each consumer 128 rows.
+TALL_TILE = {"BM": 256, "BN": 128, "WG_ROWS": 128}
 
 
 def auto_splits(tiles: int, resident_ctas: int, k_tiles: int) -> int:
@@ -336,4 +338,6 @@ SWEEP: tuple[tuple[int, dict[str, int]], ...] = (
     (4, {"EPI_COLS": 64, "EPI_BUFFERS": 2}),
     (6, {}),
     (6, {"EPI_COLS": 128}),
+    (4, TALL_TILE),
+    (5, TALL_TILE),
 )
