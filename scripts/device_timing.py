@@ -1,5 +1,6 @@
 """The kernel-alone timing loop the study scripts share (gemm_bf16_variants.py, fused_linear_bench.py,
-gemv_sweep.py): every round, each function in turn after a reading L2 flush and a GPU sleep
+gemv_sweep.py, fp8_block_variants.py), and the one-launch-each window the ncu scripts profile
+(profile_gemm.py, profile_fp8_block.py). The timing loop: every round, each function in turn after a reading L2 flush and a GPU sleep
 (so the host has queued the call before the device reaches it), CUDA events around the call
 only; medians in milliseconds. No host time: the harness (kforge.harness.timing) is the
 place for whole-call figures."""
@@ -35,3 +36,21 @@ def median_ms(fns: dict, rounds: int, sleep_cycles: int = 200_000) -> dict[str, 
             end.synchronize()
             times[name].append(start.elapsed_time(end))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def profile_once(calls: dict) -> None:
+    """Warm every call up (compilation, TMA descriptors, cuBLAS's kernel choice), then run each
+    once between cudaProfilerStart and Stop, in an NVTX range of its name: what
+    `ncu --profile-from-start off` profiles."""
+    for call in calls.values():
+        for _ in range(3):
+            call()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for name, call in calls.items():
+        torch.cuda.nvtx.range_push(name)
+        call()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print("profiled, in order:", "; ".join(calls))

@@ -12,6 +12,7 @@ scripts/gpu_check.sh (PARTS=profile-fp8), which prints the report's key sections
 import kforge  # noqa: F401  (before triton)
 import torch
 
+from device_timing import profile_once
 from kforge.kernels.quant.formats import quantize_fp8_blockwise, quantize_fp8_rowwise
 from kforge.kernels.quant.fp8_block_gemm import fp8_block_gemm
 
@@ -26,18 +27,7 @@ def main():
         "_scaled_mm rowwise": lambda: torch._scaled_mm(ra, rb.t(), scale_a=rsa, scale_b=rsb.reshape(1, n),
                                                        out_dtype=torch.bfloat16),
     }
-    for call in calls.values():
-        for _ in range(3):
-            call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for name, call in calls.items():
-        torch.cuda.nvtx.range_push(name)
-        call()
-        torch.cuda.nvtx.range_pop()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
-    print("profiled, in order:", "; ".join(calls))
+    profile_once(calls)
 
 
 if __name__ == "__main__":

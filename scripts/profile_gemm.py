@@ -12,6 +12,7 @@ scripts/gpu_check.sh (PARTS=profile-gemm), which prints the report's key metrics
 import kforge  # noqa: F401  (before triton)
 import torch
 
+from device_timing import profile_once
 from kforge.kernels import gemm_bf16, gemm_fp32
 
 N = 4096
@@ -29,18 +30,7 @@ def main():
         "bf16 rung 5": lambda: gemm_bf16.gemm(a16, b16, 5),
         "cuBLAS bf16": lambda: torch.matmul(a16, b16),
     }
-    for call in calls.values():  # compile, build tensor maps, pick cuBLAS's kernel
-        for _ in range(3):
-            call()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for name, call in calls.items():
-        torch.cuda.nvtx.range_push(name)
-        call()
-        torch.cuda.nvtx.range_pop()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
-    print("profiled, in order:", "; ".join(calls))
+    profile_once(calls)
 
 
 if __name__ == "__main__":
