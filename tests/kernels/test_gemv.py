@@ -148,7 +148,7 @@ def test_the_one_token_cuda_kernel_streams_w_with_16_byte_loads_that_skip_l1():
     used = resources(cubin)["gemv_bf16"]
     assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0)
     code = sass(cubin)
-    assert len(re.findall(r"\bLDG\.E\.NA\.128\b", code)) >= 8, "W: a step's 4 loads and the tail's 4, no L1"
+    assert len(re.findall(r"\bLDG\.E\.NA\.128\b", code)) >= 8, "W: 16-byte loads that skip L1, several in flight"
     assert re.search(r"\bLDG\.E\.128\.CONSTANT\b", code), "x: cached 16-byte loads"
     assert len(re.findall(r"\bSHFL\.BFLY\b", code)) == 5, "a warp's 32 partial sums in 5 butterfly steps"
     assert used.registers <= 64, "at most 64 registers: 32 warps an SM keep ~64 KB of W in flight"

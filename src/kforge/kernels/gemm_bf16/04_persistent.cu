@@ -71,7 +71,7 @@
 #endif
 
 #ifndef WG_ROWS
-#define WG_ROWS 64  // rows a consumer warpgroup owns: 64 (one m64 wgmma a k-step) or 128 (two; e.g. 256 x 128 tiles)
+#define WG_ROWS 64  // rows a consumer warpgroup owns: 64 (one m64 wgmma a k-step) or 128 (two: 256 x 128 tiles)
 #endif
 #define CONSUMERS (BM / WG_ROWS)
 #define NUM_THREADS (128 * (CONSUMERS + 1))

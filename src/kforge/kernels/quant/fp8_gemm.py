@@ -265,7 +265,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     fast_accum. `config` (BM, BN, BK, SPLIT_N, GROUP_M, FLATTEN, num_stages, num_warps)
     skips the autotuner: the CPU tests run small tiles under the Triton interpreter. Block
     scaling to bf16 on a GPU (N a multiple of 8, no config) runs the CUDA kernel instead
-    (`fp8_block_gemm.py`, 1.4x this one), unless prefer_cuda=False.
+    (`fp8_block_gemm.py`, 1.33x this one at 4096 x 7168 x 16384), unless prefer_cuda=False.
     """
     check_fp8_gemm_inputs(a, b, a_scale, b_scale, scaling, fast_accum=fast_accum, out_dtype=out_dtype)
     (m, k), n = a.shape, b.shape[0]
