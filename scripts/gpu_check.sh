@@ -12,6 +12,7 @@
 #   suite-level1 suite-level2 suite-level3   (kforge's suites with its own solutions, vs eager and torch.compile)
 #   fused-linear host-profile-level3   (fused_linear_bench.py; host and device time of the Level 3 blocks)
 #   gemv-rows   (the decode GEMV: its GPU tests and gemv_sweep.py, tiles, the one-token CUDA kernel, ceilings)
+#   quant-gemv   (the 4-bit GEMVs: their GPU tests and quant_gemv_sweep.py, CUDA variants, Triton, ceilings)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
@@ -70,6 +71,11 @@ fi
 if [[ $parts == *" gemv-rows "* ]]; then
   python3 -m pytest -q -m gpu tests/kernels/test_gemv.py 2>&1 | tail -15 | tee "$out/pytest-gpu-gemv.log"
   python3 scripts/gemv_sweep.py 2>&1 | tee "$out/gemv-sweep.txt"
+fi
+if [[ $parts == *" quant-gemv "* ]]; then
+  python3 -m pytest -q -m gpu tests/kernels/test_w4a16.py tests/kernels/test_nvfp4_gemv.py 2>&1 | tail -15 \
+    | tee "$out/pytest-gpu-quant-gemv.log"
+  (cd scripts && python3 quant_gemv_sweep.py) 2>&1 | tee "$out/quant-gemv-sweep.txt"
 fi
 if [[ $parts == *" fp8-variants "* ]]; then
   (cd scripts && python3 fp8_block_variants.py) 2>&1 | tee "$out/fp8-variants.txt"

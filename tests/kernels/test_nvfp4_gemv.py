@@ -2,8 +2,10 @@
 operands (M tails, K tails down to one 16-value block, several batches, zero blocks), every
 E2M1 code at every nibble position by hand, outputs poisoned with NaN, bad inputs refused, the
 byte count; kforge.ops.nvfp4_batched_gemv as a custom op (opcheck, torch.compile, the
-fallback); the problem file through gate 1; the sm_90 machine code of every tile. On a GPU:
-the three shapes of the problem set with every tile, the op under inductor."""
+fallback); the problem file through gate 1; the sm_90 machine code of every tile and of the
+CUDA kernel (nvfp4_gemv.cu). On a GPU: the three shapes of the problem set with every tile
+and every CUDA variant, odd shapes, strided batches and which kernel runs, the op under
+inductor."""
 
 from __future__ import annotations
 
@@ -270,7 +272,71 @@ def test_every_tile_compiles_for_sm90_in_shared_memory_without_spills():
         assert kernel["local"] == 0 and kernel["shared"] <= 227 * 1024, (label, kernel)
 
 
+def test_the_cuda_kernel_compiles_for_sm90_as_designed():
+    """nvfp4_gemv.cu's loop: a's 16 bytes a row through loads that skip L1 and b's through cached
+    ones; 16 fp16-pair products a row (32 codes) and 16 for b's decode (HFMA2 or HMUL2), the
+    scales converted by the hardware (F2FP E4M3), no int -> float conversion, no spills; under
+    4 instructions a code (an SM can issue ~5.5 a code at 3 TB/s)."""
+    from collections import Counter
+
+    from kforge.runtime.cuda import compile_cuda, loop_opcodes, resources, sass
+
+    rows = nvfp4_gemv.CUDA_ROWS
+    cubin = compile_cuda(nvfp4_gemv.CUDA_SOURCE, arch="sm_90a", defines={"ROWS": rows, "WARPS": nvfp4_gemv.CUDA_WARPS})
+    used = resources(cubin)["nvfp4_gemv"]
+    assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0) and used.registers <= 96, used
+    loop = Counter(loop_opcodes(sass(cubin)))
+    assert loop["LDG.E.NA.128.CONSTANT"] == rows and loop["LDG.E.NA.U16.CONSTANT"] == rows, loop
+    assert loop["LDG.E.128.CONSTANT"] == 1 and loop["LDG.E.U16.CONSTANT"] == 1, loop
+    assert loop["HFMA2"] + loop["HFMA2.MMA"] + loop["HMUL2"] == 16 * rows + 16, loop
+    assert loop["F2FP.F16.E4M3.UNPACK_B"] == rows + 1, loop
+    assert not any(op.startswith(("I2F", "F2I")) for op in loop), loop
+    assert sum(loop.values()) <= 4 * 32 * rows, f"{sum(loop.values()) / (32 * rows):.2f} instructions a code"
+
+
 # --- on the GPU ------------------------------------------------------------------------------
+
+CUDA_VARIANTS = [(1, 4), (2, 8), (4, 4), (4, 8), (8, 8)]  # (ROWS, WARPS)
+
+
+def _count_cuda_launches(monkeypatch):
+    calls = []
+    real = nvfp4_gemv.launch_cuda_gemv
+    monkeypatch.setattr(nvfp4_gemv, "launch_cuda_gemv", lambda *args, **kw: calls.append(args) or real(*args, **kw))
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, batches", PROBLEM_SET, ids=str)
+def test_the_cuda_kernel_on_the_problem_set_in_every_variant(m, k, batches, monkeypatch):
+    calls = _count_cuda_launches(monkeypatch)
+    inputs = _inputs(m, k, batches, "cuda")
+    assert_matches(nvfp4_batched_gemv(*inputs), *inputs)
+    assert len(calls) == 1, "the default path is the CUDA kernel"
+    for rows, warps in CUDA_VARIANTS:
+        c = torch.full((batches, m, 1), float("nan"), dtype=torch.float16, device="cuda")
+        nvfp4_gemv.launch_cuda_gemv(*inputs, c, rows=rows, warps=warps)
+        assert_matches(c, *inputs)
+
+
+@pytest.mark.gpu
+def test_the_cuda_kernel_on_odd_shapes_and_strided_batches_and_what_falls_back(monkeypatch):
+    """M not a multiple of a block's rows (777, 5, 4099), K of one to a few 16-byte units (32,
+    96) or not a multiple of 32 (1040, 16: the Triton kernel), every other batch of a larger
+    tensor (batch strides twice the batch)."""
+    calls = _count_cuda_launches(monkeypatch)
+    for m, k, batches in ((777, 96, 3), (5, 32, 2), (4099, 4096, 1), (33, 2048, 5)):
+        inputs = _inputs(m, k, batches, "cuda", seed=m)
+        assert_matches(nvfp4_batched_gemv(*inputs), *inputs)
+        wide = _inputs(m, k, 2 * batches, "cuda", seed=m + 1)
+        every_other = [t[::2] if t.dim() == 3 else t for t in wide]
+        assert_matches(nvfp4_batched_gemv(*every_other), *every_other)
+    assert len(calls) == 8
+    for m, k, batches in ((777, 1040, 3), (5, 16, 2)):
+        inputs = _inputs(m, k, batches, "cuda")
+        assert_matches(nvfp4_batched_gemv(*inputs), *inputs)
+    assert len(calls) == 8, "K not a multiple of 32 takes the Triton kernel"
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, k, batches", PROBLEM_SET, ids=str)

@@ -3,8 +3,10 @@ split K) against float64 on odd N, K tails, groups 32 to 256, M = 1, 2, 3, 17, 3
 nibble of a word on its own k, by hand; x's dynamic range; outputs poisoned with NaN; bad
 inputs refused; the path choice, the split, the pruning and the byte count;
 kforge.ops.w4a16_matmul as a custom op (opcheck, torch.compile, the fallback); the problem
-file through gate 1; the sm_90 machine code of the tiles (shared memory, spills). On a GPU:
-Llama-3-8B widths at M = 1, 3, 16, 32, every tile of both paths, the op under inductor."""
+file through gate 1; the sm_90 machine code of the tiles (shared memory, spills) and of the
+one-token CUDA kernel (w4a16_gemv.cu). On a GPU: Llama-3-8B widths at M = 1, 3, 16, 32, every
+tile of both paths, the CUDA kernel in every variant, group and odd shape (and what falls
+back), the op under inductor."""
 
 from __future__ import annotations
 
@@ -315,6 +317,60 @@ def test_every_tile_compiles_for_sm90_in_shared_memory_without_spills():
 # --- on the GPU ------------------------------------------------------------------------------
 
 LLAMA3_8B = [(4096, 4096), (6144, 4096), (14336, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
+
+
+def test_the_one_token_cuda_kernel_compiles_for_sm90_as_designed():
+    """w4a16_gemv.cu's loop: W's 16 bytes a row through loads that skip L1, its scales beside,
+    x's 64 bytes through cached loads; one FFMA a weight (32 a row), no int -> float
+    conversion (the nibbles are read as fp32 bit patterns), no spills; under 3.6 instructions a
+    weight (an SM can issue ~4.9 a weight at 3 TB/s)."""
+    from collections import Counter
+
+    from kforge.runtime.cuda import compile_cuda, loop_opcodes, resources, sass
+
+    rows = w4a16.CUDA_ROWS
+    cubin = compile_cuda(w4a16.CUDA_SOURCE, arch="sm_90a", defines={"ROWS": rows, "WARPS": w4a16.CUDA_WARPS})
+    used = resources(cubin)["w4a16_gemv"]
+    assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0) and used.registers <= 96, used
+    loop = Counter(loop_opcodes(sass(cubin)))
+    assert loop["LDG.E.NA.128.CONSTANT"] == rows and loop["LDG.E.NA.U16.CONSTANT"] == rows, loop
+    assert loop["LDG.E.128.CONSTANT"] == 4, loop
+    assert loop["FFMA"] >= 33 * rows, loop  # 32 products and the scale a row
+    assert not any(op.startswith(("I2F", "F2I")) for op in loop), loop
+    assert sum(loop.values()) <= 3.6 * 32 * rows, f"{sum(loop.values()) / (32 * rows):.2f} instructions a weight"
+
+
+def _count_cuda_launches(monkeypatch):
+    calls = []
+    real = w4a16.launch_cuda_gemv
+    monkeypatch.setattr(w4a16, "launch_cuda_gemv", lambda *args, **kw: calls.append(args) or real(*args, **kw))
+    return calls
+
+
+@pytest.mark.gpu
+def test_the_one_token_cuda_kernel_in_every_variant_group_and_odd_shape(monkeypatch):
+    """N not a multiple of a block's rows (777, 9), K of one 32-weight load (32) to a step and a
+    half (1536), groups of 32 to 256 (a load's scale changes every 1 to 8 loads), x far from 1,
+    a strided W (padded rows); two rows take the Triton kernels."""
+    calls = _count_cuda_launches(monkeypatch)
+    cases = [(777, 1536, 128, 1.0), (9, 32, 32, 1.0), (4096, 4096, 64, 1e12), (300, 2048, 256, 1e-12),
+             (1000, 4096, 128, 1.0)]
+    for n, k, group, x_scale in cases:
+        x, qweight, scales = _inputs(1, n, k, group, "cuda", x_scale=x_scale)
+        assert_matches(w4a16_matmul(x, qweight, scales, group), x, qweight, scales, group)
+        for rows, warps in ((1, 4), (2, 8), (4, 4), (8, 8)):
+            y = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            w4a16.launch_cuda_gemv(x, qweight, scales, group, y, rows=rows, warps=warps)
+            assert_matches(y, x, qweight, scales, group)
+    assert len(calls) == len(cases)
+    x, qweight, scales = _inputs(1, 300, 1024, 128, "cuda")
+    padded = torch.zeros(300, 1024 // 2 + 16, dtype=torch.uint8, device="cuda")
+    padded[:, :512] = qweight
+    assert_matches(w4a16_matmul(x[0], padded[:, :512], scales), x[0], qweight, scales, 128)
+    assert len(calls) == len(cases) + 1
+    x2, qweight, scales = _inputs(2, 300, 1024, 128, "cuda")
+    assert_matches(w4a16_matmul(x2, qweight, scales), x2, qweight, scales, 128)
+    assert len(calls) == len(cases) + 1, "two rows take the Triton kernel"
 
 
 @pytest.mark.gpu

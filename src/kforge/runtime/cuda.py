@@ -267,6 +267,23 @@ def sass(cubin: Cubin) -> str:
         return subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+
+
+def loop_opcodes(code: str) -> list[str]:
+    """The opcodes (with their modifiers, without predicates) of the loops in `sass` text: every
+    instruction from a backward branch's target up to the branch. What a kernel's steady state
+    issues; the tests count them per value a loop consumes."""
+    lines = _SASS_LINE.findall(code)
+    position = {int(address, 16): i for i, (address, _) in enumerate(lines)}
+    found = []
+    for i, (address, text) in enumerate(lines):
+        target = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < int(address, 16):
+            found += [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in lines[position[int(target.group(1), 16)]:i]]
+    return found
+
+
 def _spills_per_kernel(log: str) -> dict[str, tuple[int, int]]:
     spills, current = {}, None
     for line in log.splitlines():

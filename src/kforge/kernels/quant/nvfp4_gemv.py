@@ -44,6 +44,8 @@ r1 and r2 into 7 instructions a word where 5 would do).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -200,15 +202,69 @@ def check_nvfp4_gemv_inputs(a: torch.Tensor, a_scales: torch.Tensor, a_gs: torch
         raise ValueError(f"a batch of {m} x {half_k} bytes: the kernel's offsets within a batch are 32-bit")
 
 
+CUDA_SOURCE = Path(__file__).with_name("nvfp4_gemv.cu")
+CUDA_ROWS, CUDA_WARPS = 4, 8  # the CUDA kernel's ROWS and WARPS (measured: see the docstring)
+CUDA_KINDS = ("ptr",) * 7 + ("i32",) * 10
+_CUDA_LAUNCHES: dict[tuple, object] = {}
+_FP8_CONVERSIONS: dict[int, bool] = {}
+
+
+def _converts_fp8(index: int) -> bool:
+    if index not in _FP8_CONVERSIONS:
+        _FP8_CONVERSIONS[index] = torch.cuda.get_device_capability(index) >= (8, 9)
+    return _FP8_CONVERSIONS[index]
+
+
+def cuda_kernel_fits(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor) -> bool:
+    """Whether `nvfp4_gemv.cu` takes these (checked) operands: on a GPU with FP8 conversions
+    (sm_89+), K a multiple of 32 and a's and b's rows 16-byte aligned (its loads are 16 bytes),
+    the scales' 2-byte aligned, at most 65535 batches (the grid's y)."""
+    if not a.is_cuda or not _converts_fp8(a.device.index):
+        return False
+    batches, _, half_k = a.shape
+    return (half_k % 16 == 0 and batches <= 65535
+            and all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (a, b)) and a.stride(1) % 16 == 0
+            and all(t.data_ptr() % 2 == 0 and t.stride(0) % 2 == 0 for t in (a_scales, b_scales))
+            and a_scales.stride(1) % 2 == 0)
+
+
+def launch_cuda_gemv(a: torch.Tensor, a_scales: torch.Tensor, a_gs: torch.Tensor, b: torch.Tensor,
+                     b_scales: torch.Tensor, b_gs: torch.Tensor, c: torch.Tensor, *, rows: int = CUDA_ROWS,
+                     warps: int = CUDA_WARPS) -> None:
+    """c = the batched GEMV on `nvfp4_gemv.cu` (operands that `cuda_kernel_fits`), through a kept
+    lean launch per shape; `rows` and `warps` pick the kernel's ROWS and WARPS."""
+    batches, m, half_k = a.shape
+    index = a.device.index
+    key = (rows, warps, m, batches, index)
+    launch = _CUDA_LAUNCHES.get(key)
+    if launch is None:
+        from kforge.runtime.cuda import CudaKernel
+
+        kernel = _CUDA_LAUNCHES.get((rows, warps))
+        if kernel is None:
+            kernel = _CUDA_LAUNCHES[(rows, warps)] = CudaKernel.from_file(
+                CUDA_SOURCE, "nvfp4_gemv", defines={"ROWS": rows, "WARPS": warps})
+        launch = _CUDA_LAUNCHES[key] = kernel.lean((triton.cdiv(m, rows * warps), batches), 32 * warps, index,
+                                                   kinds=CUDA_KINDS)
+    launch(torch._C._cuda_getCurrentRawStream(index), a.data_ptr(), a_scales.data_ptr(), b.data_ptr(),
+           b_scales.data_ptr(), a_gs.data_ptr(), b_gs.data_ptr(), c.data_ptr(), m, half_k // 16, a.stride(0) // 16,
+           a.stride(1) // 16, a_scales.stride(0) // 2, a_scales.stride(1) // 2, b.stride(0) // 16,
+           b_scales.stride(0) // 2, c.stride(0), c.stride(1))
+
+
 def launch_nvfp4_gemv(a: torch.Tensor, a_scales: torch.Tensor, a_gs: torch.Tensor, b: torch.Tensor,
                       b_scales: torch.Tensor, b_gs: torch.Tensor, config: dict | None) -> torch.Tensor:
-    """c [L, M, 1] fp16 for checked inputs; `config` None: the autotuner's tile (the interpreter's on CPU)."""
+    """c [L, M, 1] fp16 for checked inputs; `config` None: the CUDA kernel where it fits
+    (`cuda_kernel_fits`), else the Triton autotuner's tile (the interpreter's on CPU)."""
     batches, m, half_k = a.shape
     c = torch.empty((batches, m, 1), dtype=torch.float16, device=a.device)
     if c.numel() == 0:
         return c
     if half_k == 0:
         return c.zero_()
+    if config is None and cuda_kernel_fits(a, a_scales, b, b_scales):
+        launch_cuda_gemv(a, a_scales, a_gs, b, b_scales, b_gs, c)
+        return c
     a_words, b_words = a.view(torch.int32), b.view(torch.int32)
     args = (a_words, a_scales, a_gs, b_words, b_scales, b_gs, c, m, half_k // 4, a_words.stride(0), a_words.stride(1),
             a_scales.stride(0), a_scales.stride(1), b_words.stride(0), b_scales.stride(0), c.stride(0), c.stride(1))
@@ -233,8 +289,9 @@ def nvfp4_batched_gemv(a: torch.Tensor, a_scales: torch.Tensor, a_gs: torch.Tens
     """c [L, M, 1] fp16 = dequant(a) @ dequant(b)^T per batch, fp32 sums.
 
     a [L, M, K/2] uint8, a_scales [L, M, K/16] float8_e4m3fn, a_gs one-element fp32 (as
-    `formats.quantize_nvfp4` returns them), b the same with M = 1. `config` (BLOCK_M, BLOCK_KW,
-    num_warps) skips the autotuner.
+    `formats.quantize_nvfp4` returns them), b the same with M = 1. On a GPU the CUDA kernel
+    (`nvfp4_gemv.cu`) runs where it fits, else the Triton one; `config` (BLOCK_M, BLOCK_KW,
+    num_warps) runs the Triton kernel with that tile.
     """
     check_nvfp4_gemv_inputs(a, a_scales, a_gs, b, b_scales, b_gs)
     return launch_nvfp4_gemv(a, a_scales, a_gs, b, b_scales, b_gs, config)

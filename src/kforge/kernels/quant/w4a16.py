@@ -67,6 +67,8 @@ to the issue budget and paying the split-K partials and a second launch.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -368,6 +370,40 @@ def _choose_config(batch: int, group: int, on_gpu: bool) -> dict | None:
     return {"path": "mma", **MMA_CONFIGS[0]} if on_gpu else INTERPRETER_MMA_CONFIG
 
 
+CUDA_SOURCE = Path(__file__).with_name("w4a16_gemv.cu")
+CUDA_ROWS, CUDA_WARPS = 4, 8  # the CUDA kernel's ROWS and WARPS (measured: see the docstring)
+CUDA_KINDS = ("ptr",) * 4 + ("i32",) * 4
+_CUDA_LAUNCHES: dict[tuple, object] = {}
+
+
+def cuda_kernel_fits(x: torch.Tensor, qweight: torch.Tensor, group: int) -> bool:
+    """Whether `w4a16_gemv.cu` takes (checked) 2-D x and qweight: one token on a GPU, rows of
+    16-byte multiples at 16-byte addresses (its loads of W and x are 16 bytes)."""
+    return (x.is_cuda and x.shape[0] == 1 and x.shape[1] % 32 == 0 and group % 32 == 0
+            and x.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0 and qweight.stride(0) % 16 == 0)
+
+
+def launch_cuda_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int, y: torch.Tensor, *,
+                     rows: int = CUDA_ROWS, warps: int = CUDA_WARPS) -> None:
+    """y (1, N) on `w4a16_gemv.cu` for operands that `cuda_kernel_fits`, through a kept lean launch
+    per shape; `rows` and `warps` pick the kernel's ROWS and WARPS."""
+    n, k = qweight.shape[0], x.shape[1]
+    index = x.device.index
+    key = (rows, warps, group, n, index)
+    launch = _CUDA_LAUNCHES.get(key)
+    if launch is None:
+        from kforge.runtime.cuda import CudaKernel
+
+        variant = (rows, warps, group)
+        kernel = _CUDA_LAUNCHES.get(variant)
+        if kernel is None:
+            kernel = _CUDA_LAUNCHES[variant] = CudaKernel.from_file(
+                CUDA_SOURCE, "w4a16_gemv", defines={"ROWS": rows, "WARPS": warps, "GROUP_UNITS": group // 32})
+        launch = _CUDA_LAUNCHES[key] = kernel.lean(triton.cdiv(n, rows * warps), 32 * warps, index, kinds=CUDA_KINDS)
+    launch(torch._C._cuda_getCurrentRawStream(index), qweight.data_ptr(), scales.data_ptr(), x.data_ptr(),
+           y.data_ptr(), n, k // 32, qweight.stride(0) // 16, scales.stride(0))
+
+
 def launch_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int,
                  config: dict | None) -> torch.Tensor:
     """y (M, N) bf16 for checked 2-D x; `config` None picks the path and tile (see _choose_config)."""
@@ -378,6 +414,9 @@ def launch_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, g
         return y
     if k == 0:
         return y.zero_()
+    if config is None and cuda_kernel_fits(x, qweight, group):
+        launch_cuda_gemv(x, qweight, scales, group, y)
+        return y
     from kforge.runtime.interpreter import interpreter_active
 
     interpreted = interpreter_active()

@@ -1,0 +1,126 @@
+// W4A16 decode GEMV for one token: y[n] = sum_g s[n, g] sum_{k in g} q[n, k] x[k], fp32 sums, y bf16.
+//
+// W as `formats.quantize_int4` packs it: q [N, K/2] bytes, k = 2j in byte j's low nibble, a
+// 4-bit two's complement; s [N, K/group] bf16. At 3 TB/s an SM takes in ~26 weights a clock
+// (half a byte each) and issues 128 thread-instructions: under 5 a weight, for the unpacking,
+// the multiply-add and the addressing together. An int -> float conversion alone would not fit.
+//
+// No conversion (as in the Triton kernel of w4a16.py): XOR with 0x88888888 turns each nibble
+// into u = q + 8 in 0..15, and a word ANDed with 0xF << e, read as an fp32 bit pattern, is
+// u * 2^(e - 149) exactly (a subnormal; for e = 20 bit 23 continues the scale into the first
+// normal binade). Nibbles 0-5 are taken at e = 4i from the word, 6 and 7 at e = 16, 20 from
+// the word >> 8. So a weight costs one LOP3 (the XOR folds into the AND) and one FFMA with
+// x[k] * 2^(149 - E0 - e), prepared once a step for all ROWS rows: the products are
+// u * x * 2^-E0. sum (u - 8) x = sum u x - 8 sum x: the second term starts each partial.
+// Range (E0 = 72, as in w4a16.py): x is scaled by up to 2^77, so |x| < 2^51 (activations are
+// many orders below); products are exact down to |x| ~ 2^-54.
+//
+// Layout: a warp owns ROWS rows; a lane reads 16 bytes (32 weights, a quarter of a group of
+// 128) of each at a time, skipping L1 (read once), and the 64 bytes of x they meet (x is read
+// by every warp and stays in L1). The partial over the 32 weights is multiplied by its
+// group's scale once. The ROWS sums meet in a butterfly of shuffles at the end. K must be a
+// multiple of 32, the group a multiple of 32 (GROUP_UNITS loads), rows 16-byte aligned (the
+// wrapper checks).
+
+#ifndef ROWS
+#define ROWS 4  // rows of W a warp
+#endif
+#ifndef WARPS
+#define WARPS 8  // warps a block
+#endif
+#ifndef GROUP_UNITS
+#define GROUP_UNITS 4  // 16-byte loads (32 weights) a group: 4 for group 128
+#endif
+#define E0 72  // the partials are in units of 2^-E0
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ uint4 load_once(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u16 load_once(const u16* p) {
+    u16 v;
+    asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+
+// x's factor for nibble i of a word, 2^(149 - E0 - e): e = 4i for i < 6, 16 and 20 for 6 and 7 (from the word >> 8)
+__device__ constexpr float NIBBLE_UNIT[8] = {0x1p77f, 0x1p73f, 0x1p69f, 0x1p65f, 0x1p61f, 0x1p57f, 0x1p61f, 0x1p57f};
+constexpr float ACC_UNIT = 0x1p-72f, Y_UNIT = 0x1p72f;  // 2^-E0, 2^E0
+
+// partial + sum over the word's 8 nibbles of u * x8[i] (x8 already scaled by nibble_unit)
+__device__ __forceinline__ float word_dot(u32 word, const float* x8, float partial) {
+    const u32 v = word ^ 0x88888888u, high = v >> 8;
+#pragma unroll
+    for (int i = 0; i < 6; ++i) partial = fmaf(__uint_as_float(v & (0xFu << (4 * i))), x8[i], partial);
+    partial = fmaf(__uint_as_float(high & 0xF0000u), x8[6], partial);
+    return fmaf(__uint_as_float(high & 0xF00000u), x8[7], partial);
+}
+
+// Strides in the pointers' units: uint4 for W's rows, u16 for the scales' rows.
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+w4a16_gemv(const uint4* __restrict__ q, const u16* __restrict__ s, const uint4* __restrict__ x,
+           u16* __restrict__ y, int n, int units, int q_row, int s_row) {
+    const int lane = threadIdx.x % 32, first = (blockIdx.x * WARPS + threadIdx.x / 32) * ROWS;
+    if (first >= n) return;  // the whole warp
+    const uint4* rows[ROWS];
+    const u16* row_scales[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {  // rows past n re-read the last one and are not stored
+        const size_t row = min(first + r, n - 1);
+        rows[r] = q + row * q_row;
+        row_scales[r] = s + row * s_row;
+    }
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
+
+    for (int u = lane; u < units; u += 32) {
+        uint4 qv[ROWS];
+        u16 sv[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {  // every load of the step first
+            qv[r] = load_once(rows[r] + u);
+            sv[r] = load_once(row_scales[r] + u / GROUP_UNITS);
+        }
+        // x[32u .. 32u + 31]: 4 x 16 bytes, each 8 bf16 = one word of W's nibbles
+        float xs[32], x_sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint4 xv = __ldg(x + 4 * u + j);
+            const u32 pairs[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                const float lo = __uint_as_float(pairs[p] << 16), hi = __uint_as_float(pairs[p] & 0xFFFF0000u);
+                x_sum += lo + hi;
+                xs[8 * j + 2 * p] = lo * NIBBLE_UNIT[2 * p];
+                xs[8 * j + 2 * p + 1] = hi * NIBBLE_UNIT[2 * p + 1];
+            }
+        }
+        const float start = x_sum * (-8.0f * ACC_UNIT);  // -8 sum x, in the partials' units 2^-E0
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {  // two independent chains a row
+            const float first_half = word_dot(qv[r].y, xs + 8, word_dot(qv[r].x, xs, start));
+            const float second_half = word_dot(qv[r].w, xs + 24, word_dot(qv[r].z, xs + 16, 0.0f));
+            acc[r] = fmaf(first_half + second_half, __uint_as_float(static_cast<u32>(sv[r]) << 16), acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], offset);
+    }
+    if (lane < ROWS && first + lane < n) {
+        float sum = acc[0];
+#pragma unroll
+        for (int r = 1; r < ROWS; ++r) sum = lane == r ? acc[r] : sum;
+        u16 rounded;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(rounded) : "f"(sum * Y_UNIT));
+        y[first + lane] = rounded;
+    }
+}
