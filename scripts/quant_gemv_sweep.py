@@ -27,7 +27,7 @@ from kforge.runtime.cuda import CudaKernel
 
 ROUNDS = 200
 GRAPHED = 8
-VARIANTS = [(rows, warps) for rows in (1, 2, 4, 8) for warps in (4, 8)]
+VARIANTS = [(1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4)]  # (ROWS, WARPS)
 W4A16_SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (28672, 4096)]
 NVFP4_SHAPES = [(7168, 16384, 1), (4096, 7168, 8), (7168, 2048, 4)]  # (M, K, L)
 
@@ -70,7 +70,7 @@ def sweep_w4a16(copy_gbps, stream, sink, blocks):
 
             call()
             name = f"CUDA w4a16 ROWS={rows} WARPS={warps}" + (
-                " (default)" if (rows, warps) == (w4a16.CUDA_ROWS, w4a16.CUDA_WARPS) else "")
+                " (default)" if (rows, warps) == w4a16.cuda_variant(n) else "")
             if torch.allclose(y.double(), want, atol=2e-2, rtol=2e-2):
                 fns[name] = call
             else:
@@ -103,7 +103,7 @@ def sweep_nvfp4(copy_gbps, stream, sink, blocks):
         operands = (a, a_scales, a_gs, b, b_scales, b_gs)
         want = nvfp4_gemv.nvfp4_gemv_reference(*operands).double()
         fns = {}
-        for config in nvfp4_gemv.CONFIGS:
+        for config in nvfp4_gemv.CONFIGS[:1] + nvfp4_gemv.CONFIGS[3:4]:  # the two best measured
             tile = dict(config.kwargs, num_warps=config.num_warps)
             fns[f"Triton {tile}"] = lambda tile=tile: nvfp4_gemv.nvfp4_batched_gemv(*operands, config=tile)
         for rows, warps in VARIANTS:
@@ -114,7 +114,7 @@ def sweep_nvfp4(copy_gbps, stream, sink, blocks):
 
             call()
             name = f"CUDA nvfp4 ROWS={rows} WARPS={warps}" + (
-                " (default)" if (rows, warps) == (nvfp4_gemv.CUDA_ROWS, nvfp4_gemv.CUDA_WARPS) else "")
+                " (default)" if (rows, warps) == nvfp4_gemv.cuda_variant(k) else "")
             if torch.allclose(c.double(), want, atol=2e-3, rtol=2e-3):
                 fns[name] = call
             else:

@@ -275,14 +275,15 @@ def test_every_tile_compiles_for_sm90_in_shared_memory_without_spills():
 def test_the_cuda_kernel_compiles_for_sm90_as_designed():
     """nvfp4_gemv.cu's loop: a's 16 bytes a row through loads that skip L1 and b's through cached
     ones; 16 fp16-pair products a row (32 codes) and 16 for b's decode (HFMA2 or HMUL2), the
-    scales converted by the hardware (F2FP E4M3), no int -> float conversion, no spills; under
-    4 instructions a code (an SM can issue ~5.5 a code at 3 TB/s)."""
+    scales converted by the hardware (F2FP E4M3), no int -> float conversion, no spills; at
+    most 4.75 instructions a code (4.6 at 2 rows a warp, b's decode shared by two; 3.7 at 4),
+    where an SM can issue ~5.5 a code at 3 TB/s."""
     from collections import Counter
 
     from kforge.runtime.cuda import compile_cuda, loop_opcodes, resources, sass
 
-    rows = nvfp4_gemv.CUDA_ROWS
-    cubin = compile_cuda(nvfp4_gemv.CUDA_SOURCE, arch="sm_90a", defines={"ROWS": rows, "WARPS": nvfp4_gemv.CUDA_WARPS})
+    rows, warps = nvfp4_gemv.cuda_variant(16384)
+    cubin = compile_cuda(nvfp4_gemv.CUDA_SOURCE, arch="sm_90a", defines={"ROWS": rows, "WARPS": warps})
     used = resources(cubin)["nvfp4_gemv"]
     assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0) and used.registers <= 96, used
     loop = Counter(loop_opcodes(sass(cubin)))
@@ -291,7 +292,7 @@ def test_the_cuda_kernel_compiles_for_sm90_as_designed():
     assert loop["HFMA2"] + loop["HFMA2.MMA"] + loop["HMUL2"] == 16 * rows + 16, loop
     assert loop["F2FP.F16.E4M3.UNPACK_B"] == rows + 1, loop
     assert not any(op.startswith(("I2F", "F2I")) for op in loop), loop
-    assert sum(loop.values()) <= 4 * 32 * rows, f"{sum(loop.values()) / (32 * rows):.2f} instructions a code"
+    assert sum(loop.values()) <= 4.75 * 32 * rows, f"{sum(loop.values()) / (32 * rows):.2f} instructions a code"
 
 
 # --- on the GPU ------------------------------------------------------------------------------

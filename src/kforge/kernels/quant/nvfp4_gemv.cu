@@ -21,33 +21,20 @@
 // code in all: the loop is memory-bound.
 //
 // Layout: a warp owns ROWS rows of one batch and a lane 16 bytes (32 codes, two scale blocks)
-// of each at a time; b's 16 bytes are decoded once a step for all ROWS rows. a is read once
+// of each at a time, the next step's loads issued before this step's decode (a double buffer
+// in registers); b's 16 bytes are decoded once a step for all ROWS rows. a is read once
 // (loads that skip L1); b and its scales are read by every warp and stay in L1. The ROWS
 // partial sums meet in a butterfly of shuffles at the end. K must be a multiple of 32 and
 // rows 16-byte aligned (the wrapper checks).
 
 #ifndef ROWS
-#define ROWS 4  // rows of a a warp
+#define ROWS 2  // rows of a a warp
 #endif
 #ifndef WARPS
-#define WARPS 8  // warps a block
+#define WARPS 4  // warps a block
 #endif
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-
-__device__ __forceinline__ uint4 load_once(const uint4* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ u16 load_once(const u16* p) {
-    u16 v;
-    asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
-    return v;
-}
+#include "gemv_common.cuh"
 
 __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
     u32 d;
@@ -97,6 +84,25 @@ __device__ __forceinline__ void e2m1x32(uint4 v, u32* out) {
     e2m1x8(v.w, out + 12);
 }
 
+// One step of a lane: 16 bytes of each of its ROWS rows of a, their two scales, and b's 16 bytes and scales.
+struct Step {
+    uint4 a[ROWS];
+    u16 a_scales[ROWS];
+    uint4 b;
+    u16 b_scales;
+};
+
+__device__ __forceinline__ void load_step(Step& step, const uint4* const* rows, const u16* const* row_scales,
+                                          const uint4* b, const u16* sb, int u) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        step.a[r] = load_once(rows[r] + u);
+        step.a_scales[r] = load_once(row_scales[r] + u);
+    }
+    step.b = __ldg(b + u);
+    step.b_scales = __ldg(sb + u);
+}
+
 // Strides are in the pointers' units: uint4 for a and b, u16 (two scales) for the scales, fp16 for c.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 nvfp4_gemv(const uint4* __restrict__ a, const u16* __restrict__ sa, const uint4* __restrict__ b,
@@ -121,45 +127,34 @@ nvfp4_gemv(const uint4* __restrict__ a, const u16* __restrict__ sa, const uint4*
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
 
+    // A register double buffer: the next step's loads are in flight while this one is decoded.
+    Step next;
+    if (lane < units) load_step(next, rows, row_scales, b, sb, lane);
     for (int u = lane; u < units; u += 32) {
-        uint4 av[ROWS];
-        u16 as[ROWS];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {  // every load of the step first
-            av[r] = load_once(rows[r] + u);
-            as[r] = load_once(row_scales[r] + u);
-        }
-        const uint4 bw = __ldg(b + u);
-        const u16 bs = __ldg(sb + u);
+        const Step now = next;
+        if (u + 32 < units) load_step(next, rows, row_scales, b, sb, u + 32);
         u32 bv[16];
-        e2m1x32(bw, bv);
+        e2m1x32(now.b, bv);
 #pragma unroll
         for (int i = 0; i < 16; ++i) bv[i] = hmul2(bv[i], two_14);  // b's values, exact
-        const float2 b_scale = e4m3_pair(bs);
+        const float2 b_scale = e4m3_pair(now.b_scales);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             u32 code[16];
-            e2m1x32(av[r], code);
+            e2m1x32(now.a[r], code);
             u32 first_block = 0, second_block = 0;
 #pragma unroll
             for (int i = 0; i < 8; ++i) first_block = hfma2(code[i], bv[i], first_block);
 #pragma unroll
             for (int i = 8; i < 16; ++i) second_block = hfma2(code[i], bv[i], second_block);
-            const float2 a_scale = e4m3_pair(as[r]);
+            const float2 a_scale = e4m3_pair(now.a_scales[r]);
             acc[r] = fmaf(pair_sum(first_block), a_scale.x * b_scale.x, acc[r]);
             acc[r] = fmaf(pair_sum(second_block), a_scale.y * b_scale.y, acc[r]);
         }
     }
     const float unit = 16384.0f * *a_gs * *b_gs;  // the 2^-14 the codes carry, and the global scales
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], offset);
-    }
-    if (lane < ROWS && first + lane < m) {
-        float sum = acc[0];
-#pragma unroll
-        for (int r = 1; r < ROWS; ++r) sum = lane == r ? acc[r] : sum;
+    float sum;
+    if (warp_row_sums<ROWS>(acc, &sum) && first + lane < m) {
         u16 rounded;
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(rounded) : "f"(sum * unit));
         c[batch * c_batch + static_cast<size_t>(first + lane) * c_row] = rounded;

@@ -203,7 +203,6 @@ def check_nvfp4_gemv_inputs(a: torch.Tensor, a_scales: torch.Tensor, a_gs: torch
 
 
 CUDA_SOURCE = Path(__file__).with_name("nvfp4_gemv.cu")
-CUDA_ROWS, CUDA_WARPS = 4, 8  # the CUDA kernel's ROWS and WARPS (measured: see the docstring)
 CUDA_KINDS = ("ptr",) * 7 + ("i32",) * 10
 _CUDA_LAUNCHES: dict[tuple, object] = {}
 _FP8_CONVERSIONS: dict[int, bool] = {}
@@ -213,6 +212,13 @@ def _converts_fp8(index: int) -> bool:
     if index not in _FP8_CONVERSIONS:
         _FP8_CONVERSIONS[index] = torch.cuda.get_device_capability(index) >= (8, 9)
     return _FP8_CONVERSIONS[index]
+
+
+def cuda_variant(k: int) -> tuple[int, int]:
+    """(ROWS, WARPS) of `nvfp4_gemv.cu` for rows of K values: the fastest measured on the H100
+    (scripts/quant_gemv_sweep.py, 2026-11-25): 4 rows a warp for short rows (K <= 4096), where a
+    lane has few steps to stream and more rows keep more bytes in flight; 2 for long ones."""
+    return (4 if k <= 4096 else 2), 4
 
 
 def cuda_kernel_fits(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor) -> bool:
@@ -229,11 +235,14 @@ def cuda_kernel_fits(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b
 
 
 def launch_cuda_gemv(a: torch.Tensor, a_scales: torch.Tensor, a_gs: torch.Tensor, b: torch.Tensor,
-                     b_scales: torch.Tensor, b_gs: torch.Tensor, c: torch.Tensor, *, rows: int = CUDA_ROWS,
-                     warps: int = CUDA_WARPS) -> None:
+                     b_scales: torch.Tensor, b_gs: torch.Tensor, c: torch.Tensor, *, rows: int | None = None,
+                     warps: int | None = None) -> None:
     """c = the batched GEMV on `nvfp4_gemv.cu` (operands that `cuda_kernel_fits`), through a kept
-    lean launch per shape; `rows` and `warps` pick the kernel's ROWS and WARPS."""
+    lean launch per shape; `rows` and `warps` pick the kernel's ROWS and WARPS (default:
+    `cuda_variant`)."""
     batches, m, half_k = a.shape
+    default_rows, default_warps = cuda_variant(2 * half_k)
+    rows, warps = rows or default_rows, warps or default_warps
     index = a.device.index
     key = (rows, warps, m, batches, index)
     launch = _CUDA_LAUNCHES.get(key)

@@ -371,9 +371,15 @@ def _choose_config(batch: int, group: int, on_gpu: bool) -> dict | None:
 
 
 CUDA_SOURCE = Path(__file__).with_name("w4a16_gemv.cu")
-CUDA_ROWS, CUDA_WARPS = 4, 8  # the CUDA kernel's ROWS and WARPS (measured: see the docstring)
 CUDA_KINDS = ("ptr",) * 4 + ("i32",) * 4
 _CUDA_LAUNCHES: dict[tuple, object] = {}
+
+
+def cuda_variant(n: int) -> tuple[int, int]:
+    """(ROWS, WARPS) of `w4a16_gemv.cu` for N rows: the fastest measured on the H100
+    (scripts/quant_gemv_sweep.py, 2026-11-25): 2 rows a warp up to N = 4096, where 4 would leave
+    too few warps to spread over the SMs, 4 above."""
+    return (2 if n <= 4096 else 4), 4
 
 
 def cuda_kernel_fits(x: torch.Tensor, qweight: torch.Tensor, group: int) -> bool:
@@ -384,10 +390,12 @@ def cuda_kernel_fits(x: torch.Tensor, qweight: torch.Tensor, group: int) -> bool
 
 
 def launch_cuda_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int, y: torch.Tensor, *,
-                     rows: int = CUDA_ROWS, warps: int = CUDA_WARPS) -> None:
+                     rows: int | None = None, warps: int | None = None) -> None:
     """y (1, N) on `w4a16_gemv.cu` for operands that `cuda_kernel_fits`, through a kept lean launch
-    per shape; `rows` and `warps` pick the kernel's ROWS and WARPS."""
+    per shape; `rows` and `warps` pick the kernel's ROWS and WARPS (default: `cuda_variant`)."""
     n, k = qweight.shape[0], x.shape[1]
+    default_rows, default_warps = cuda_variant(n)
+    rows, warps = rows or default_rows, warps or default_warps
     index = x.device.index
     key = (rows, warps, group, n, index)
     launch = _CUDA_LAUNCHES.get(key)

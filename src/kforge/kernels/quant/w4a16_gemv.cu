@@ -17,7 +17,8 @@
 //
 // Layout: a warp owns ROWS rows; a lane reads 16 bytes (32 weights, a quarter of a group of
 // 128) of each at a time, skipping L1 (read once), and the 64 bytes of x they meet (x is read
-// by every warp and stays in L1). The partial over the 32 weights is multiplied by its
+// by every warp and stays in L1), the next step's loads issued before this step's arithmetic
+// (a double buffer in registers). The partial over the 32 weights is multiplied by its
 // group's scale once. The ROWS sums meet in a butterfly of shuffles at the end. K must be a
 // multiple of 32, the group a multiple of 32 (GROUP_UNITS loads), rows 16-byte aligned (the
 // wrapper checks).
@@ -26,40 +27,44 @@
 #define ROWS 4  // rows of W a warp
 #endif
 #ifndef WARPS
-#define WARPS 8  // warps a block
+#define WARPS 4  // warps a block
 #endif
 #ifndef GROUP_UNITS
 #define GROUP_UNITS 4  // 16-byte loads (32 weights) a group: 4 for group 128
 #endif
 #define E0 72  // the partials are in units of 2^-E0
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-
-__device__ __forceinline__ uint4 load_once(const uint4* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ u16 load_once(const u16* p) {
-    u16 v;
-    asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
-    return v;
-}
+#include "gemv_common.cuh"
 
 // x's factor for nibble i of a word, 2^(149 - E0 - e): e = 4i for i < 6, 16 and 20 for 6 and 7 (from the word >> 8)
 __device__ constexpr float NIBBLE_UNIT[8] = {0x1p77f, 0x1p73f, 0x1p69f, 0x1p65f, 0x1p61f, 0x1p57f, 0x1p61f, 0x1p57f};
 constexpr float ACC_UNIT = 0x1p-72f, Y_UNIT = 0x1p72f;  // 2^-E0, 2^E0
 
-// partial + sum over the word's 8 nibbles of u * x8[i] (x8 already scaled by nibble_unit)
+// partial + sum over the word's 8 nibbles of u * x8[i] (x8 already scaled by NIBBLE_UNIT)
 __device__ __forceinline__ float word_dot(u32 word, const float* x8, float partial) {
     const u32 v = word ^ 0x88888888u, high = v >> 8;
 #pragma unroll
     for (int i = 0; i < 6; ++i) partial = fmaf(__uint_as_float(v & (0xFu << (4 * i))), x8[i], partial);
     partial = fmaf(__uint_as_float(high & 0xF0000u), x8[6], partial);
     return fmaf(__uint_as_float(high & 0xF00000u), x8[7], partial);
+}
+
+// One step of a lane: 16 bytes of each of its ROWS rows, their scales, and the 64 bytes of x they meet.
+struct Step {
+    uint4 q[ROWS];
+    u16 scales[ROWS];
+    uint4 x[4];
+};
+
+__device__ __forceinline__ void load_step(Step& step, const uint4* const* rows, const u16* const* row_scales,
+                                          const uint4* x, int u) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        step.q[r] = load_once(rows[r] + u);
+        step.scales[r] = load_once(row_scales[r] + u / GROUP_UNITS);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) step.x[j] = __ldg(x + 4 * u + j);
 }
 
 // Strides in the pointers' units: uint4 for W's rows, u16 for the scales' rows.
@@ -80,20 +85,17 @@ w4a16_gemv(const uint4* __restrict__ q, const u16* __restrict__ s, const uint4* 
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
 
+    // A register double buffer: the next step's loads are in flight while this one is computed.
+    Step next;
+    if (lane < units) load_step(next, rows, row_scales, x, lane);
     for (int u = lane; u < units; u += 32) {
-        uint4 qv[ROWS];
-        u16 sv[ROWS];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {  // every load of the step first
-            qv[r] = load_once(rows[r] + u);
-            sv[r] = load_once(row_scales[r] + u / GROUP_UNITS);
-        }
-        // x[32u .. 32u + 31]: 4 x 16 bytes, each 8 bf16 = one word of W's nibbles
+        const Step now = next;
+        if (u + 32 < units) load_step(next, rows, row_scales, x, u + 32);
+        // x's 32 values: each 16 bytes (8 bf16) meet one word of W's nibbles
         float xs[32], x_sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const uint4 xv = __ldg(x + 4 * u + j);
-            const u32 pairs[4] = {xv.x, xv.y, xv.z, xv.w};
+            const u32 pairs[4] = {now.x[j].x, now.x[j].y, now.x[j].z, now.x[j].w};
 #pragma unroll
             for (int p = 0; p < 4; ++p) {
                 const float lo = __uint_as_float(pairs[p] << 16), hi = __uint_as_float(pairs[p] & 0xFFFF0000u);
@@ -105,20 +107,13 @@ w4a16_gemv(const uint4* __restrict__ q, const u16* __restrict__ s, const uint4* 
         const float start = x_sum * (-8.0f * ACC_UNIT);  // -8 sum x, in the partials' units 2^-E0
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {  // two independent chains a row
-            const float first_half = word_dot(qv[r].y, xs + 8, word_dot(qv[r].x, xs, start));
-            const float second_half = word_dot(qv[r].w, xs + 24, word_dot(qv[r].z, xs + 16, 0.0f));
-            acc[r] = fmaf(first_half + second_half, __uint_as_float(static_cast<u32>(sv[r]) << 16), acc[r]);
+            const float first_half = word_dot(now.q[r].y, xs + 8, word_dot(now.q[r].x, xs, start));
+            const float second_half = word_dot(now.q[r].w, xs + 24, word_dot(now.q[r].z, xs + 16, 0.0f));
+            acc[r] = fmaf(first_half + second_half, __uint_as_float(static_cast<u32>(now.scales[r]) << 16), acc[r]);
         }
     }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], offset);
-    }
-    if (lane < ROWS && first + lane < n) {
-        float sum = acc[0];
-#pragma unroll
-        for (int r = 1; r < ROWS; ++r) sum = lane == r ? acc[r] : sum;
+    float sum;
+    if (warp_row_sums<ROWS>(acc, &sum) && first + lane < n) {
         u16 rounded;
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(rounded) : "f"(sum * Y_UNIT));
         y[first + lane] = rounded;
