@@ -4,7 +4,8 @@
 # PARTS picks what runs (default: all): any of  tests examples ladder sweep ladder-bf16 sweep-bf16 bench-gemm
 #   tests-attention sweep-attention bench-attention   ("tests" already includes tests-attention)
 #   tests-serving bench-serving   (SERVING_SHAPES picks the serving groups, default all)
-#   profile-gemm profile-fp8 (ncu of the GEMMs at 4096^3; of the block-scaled FP8 GEMM; not in the default)
+#   profile-gemm profile-fp8 profile-quant-gemv (ncu of the GEMMs at 4096^3; of the block-scaled FP8 GEMM;
+#                                               of the 4-bit GEMVs beside a read stream; not in the default)
 #   tests-gemm-bf16 variants-bf16 host-overhead   (the bf16 GEMM's GPU tests, device-time variants (VARIANT_SET
 #                                                  split or epilogue, VARIANT_ROUNDS), host time per call)
 #   tests-quant bench-quant   (the quantized formats and kernels; QUANT_SHAPES picks bench groups, default all)
@@ -120,6 +121,14 @@ if [[ $parts == *" profile-fp8 "* ]]; then
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" > "$out/profile-fp8-stalls.csv" 2>&1
   ncu -i "$out/fp8-block.ncu-rep" --page details > "$out/profile-fp8.txt" 2>&1
   grep -E "fp8_block_gemm|sm90|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|Issue Slots|Tensor|Shared|Stall|Registers|Achieved" "$out/profile-fp8.txt" | head -80
+fi
+if [[ $parts == *" profile-quant-gemv "* ]]; then
+  (cd scripts && ncu --clock-control none --profile-from-start off --set full -f -o "$out/quant-gemv" \
+    python3 profile_quant_gemv.py) 2>&1 | tail -5 | tee "$out/profile-quant-gemv.log"
+  ncu -i "$out/quant-gemv.ncu-rep" --page raw --csv \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" > "$out/profile-quant-gemv-stalls.csv" 2>&1
+  ncu -i "$out/quant-gemv.ncu-rep" --page details > "$out/profile-quant-gemv.txt" 2>&1
+  grep -E "nvfp4_gemv|w4a16_gemv|read_stream|Duration|Memory Throughput|DRAM Throughput|Issue Slots|Executed Ipc A|Registers|Achieved Occupancy|Theoretical Occupancy|No Eligible|Eligible Warps" "$out/profile-quant-gemv.txt" | head -80
 fi
 if [[ $parts == *" profile-gemm "* ]]; then
   ncu --clock-control none --profile-from-start off --set full -f -o "$out/gemm-4096" \

@@ -35,11 +35,13 @@ code, 1 FFMA, ~0.9 for the per-word helpers, ~0.6 for b's decode shared by 8 row
 and scales), 4.7 with BLOCK_M = 16 (255 registers, 2 programs an SM): 80-90% of the issue
 budget, so the kernel is close to ALU-bound as well as memory-bound.
 
-Predicted on the H100 (not measured here): 70-85% of the 3.0 TB/s copy bandwidth on the
-three shapes (roof 22.0, 44.1, 11.0 us; expected 26-31, 52-63, 13-16 us), the smallest
-(K = 2048, 256 words a row) losing most to the ramp. Reaching 80% everywhere is at risk;
-the lever left is fewer integer instructions a code (LLVM splits the bit-select that builds
-r1 and r2 into 7 instructions a word where 5 would do).
+On a GPU a CUDA kernel takes over where it fits (`nvfp4_gemv.cu`, K a multiple of 32): it
+decodes two codes per instruction pair into fp16 pairs and multiplies them with HFMA2 (exact,
+see its header), about 4.6 instructions a code at 2 rows a warp, and keeps two steps of loads
+in flight. Measured on the H100 (2026-11-25, scripts/quant_gemv_sweep.py and `kforge bench
+quant`; benchmarks/notes/2026-11-25-session10): 29.5, 52.4 and 17.4 us on the three shapes,
+73.9%, 83.3% and 62.8% of the copy bandwidth (this Triton kernel: 63%, 61%, 53%), 84-88% of a
+read-only stream of the same bytes in one launch (86%, 94%, 73% of copy).
 """
 
 from __future__ import annotations

@@ -57,12 +57,15 @@ int -> float conversion alone (I2F, 16 a clock an SM) would be over budget. Two 
    fixed order (deterministic) and rounds to bf16: a second launch. Under Triton's
    interpreter (whose bf16 dot is wrong) the dots run in fp32 on the same exact values.
 
-Predicted on the H100 (not measured here), batch 1 (bytes; time at the 3.0 TB/s roof):
-N x K = 4096 x 4096 8.67 MB 2.9 us, 6144 x 4096 13.0 MB 4.3 us, 14336 x 4096 and 4096 x
-14336 30.3 MB 10.1 us, 28672 x 4096 60.6 MB 20.2 us. Expected 80-90% of the roof from
-14336 x 4096 up, 65-80% at 4096 x 4096 where the ramp of a 3 us kernel weighs (3.6-4.4
-us): 3-3.5x faster than the bf16 GEMV on 3.9x fewer bytes. Batches 3-32: 60-80%, closer
-to the issue budget and paying the split-K partials and a second launch.
+For one token on a GPU a CUDA kernel takes over (`w4a16_gemv.cu`: the same nibble trick, one
+warp per 2 or 4 rows, two steps of loads in flight, launched without Triton's per-call host
+work). Measured on the H100 at batch 1 (2026-11-25, scripts/quant_gemv_sweep.py and `kforge
+bench quant`; benchmarks/notes/2026-11-25-session10), device time and % of copy on the packed
+bytes: N x K = 4096 x 4096 8.4 us (34%), 14336 x 4096 17.3 us (58%), 4096 x 14336 17.1 us (59%),
+28672 x 4096 28.5 us (70%), 80-83% of a read-only stream of the same bytes (40, 71, 71, 85% of
+copy: the launch and the ramp weigh on a 3-10 MB read); 2.2x, 2.6x, 2.7x, 3.0x cuBLAS's bf16
+GEMV on the same weights. This Triton kernel: 33, 56, 56, 69% of copy. Batches 3-32 (the
+tensor-core path): 11-30% of copy, paying the split-K partials and a second launch.
 """
 
 from __future__ import annotations
