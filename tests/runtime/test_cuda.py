@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kforge.errors import KforgeError
-from kforge.runtime.cuda import (CudaCompileError, CudaKernel, LaunchError, compile_cuda, integer_defines,
+from kforge.runtime.cuda import (CudaCompileError, CudaKernel, LaunchError, compile_cuda, integer_defines, loop_opcodes,
                                  resources)
 
 KERNELS = Path(__file__).parents[2] / "src" / "kforge" / "kernels"
@@ -126,3 +126,19 @@ def test_launch_checks_arguments_before_touching_a_device(source):
     with pytest.raises(LaunchError, match="not a whole number of clusters"):
         kernel.launch(3, 32, (8,), cluster=2)
     assert kernel._loaded == {}  # nothing was loaded, let alone launched
+
+
+def test_loop_opcodes_reads_the_body_of_each_backward_branch():
+    """From the branch's target to the branch, predicates dropped, modifiers kept; code before
+    the loop and forward branches are not counted."""
+    code = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/               @P0 BRA 0x0060 ;
+        /*0020*/                   LDG.E.NA.128.CONSTANT R4, desc[UR4][R2.64] ;
+        /*0030*/                   HFMA2 R8, R4, R5, R8 ;
+        /*0040*/              @!P1 IADD3 R2, R2, 0x10, RZ ;
+        /*0050*/               @P2 BRA 0x0020 ;
+        /*0060*/                   EXIT ;
+    """
+    assert loop_opcodes(code) == ["LDG.E.NA.128.CONSTANT", "HFMA2", "IADD3"]
+    assert loop_opcodes(code.replace("BRA 0x0020", "BRA 0x0060")) == []

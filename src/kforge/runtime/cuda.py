@@ -280,7 +280,8 @@ def loop_opcodes(code: str) -> list[str]:
     for i, (address, text) in enumerate(lines):
         target = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < int(address, 16):
-            found += [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in lines[position[int(target.group(1), 16)]:i]]
+            body = lines[position[int(target.group(1), 16)]:i]
+            found += [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in body]
     return found
 
 
