@@ -206,18 +206,10 @@ _COMPILE_SM90 = textwrap.dedent(r"""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from kforge.kernels.quant import nvfp4_gemv
-    from kforge.runtime.cuda import Cubin, resources, sass
+    from kforge.runtime.cuda import Cubin, loop_opcodes, resources, sass
 
-    def loop_ops(code):  # opcodes inside the K loops: from a backward branch's target to the branch
-        lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", code)
-        index = {int(address, 16): i for i, (address, _) in enumerate(lines)}
-        ops = []
-        for i, (address, text) in enumerate(lines):
-            target = re.search(r"BRA\s+0x([0-9a-f]+)", text)
-            if target and int(target.group(1), 16) < int(address, 16):
-                body = lines[index[int(target.group(1), 16)]:i]
-                ops += [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in body]
-        return ops
+    def loop_ops(code):  # base opcodes inside the K loops
+        return [op.split(".")[0] for op in loop_opcodes(code)]
 
     INTS = ("m_rows", "k_words", "stride_al", "stride_am", "stride_sal", "stride_sam", "stride_bl", "stride_sbl",
             "stride_cl", "stride_cm")
