@@ -30,15 +30,19 @@ EPILOGUE = [("rung 4 2 x 64-wide buffers", 4, {"EPI_COLS": 64, "EPI_BUFFERS": 2}
             ("rung 6", 6, {})]
 SHORT_K = [("rung 5", 5, {}), ("rung 6", 6, {}), ("rung 6 EPI_COLS 128", 6, {"EPI_COLS": 128}),
            ("rung 4 128 x 128", 4, {"BN": 128, "STAGES": 6, "EPI_COLS": 64})]
+STREAM_K = [("rung 5", 5, {}), ("rung 4 stream-K", 4, gemm_bf16.STREAM_K_VARIANT),
+            ("rung 4 stream-K min 4", 4, dict(gemm_bf16.STREAM_K_VARIANT, STREAM_K_MIN=4)),
+            ("rung 4 stream-K GROUP_M 16", 4, dict(gemm_bf16.STREAM_K_VARIANT, GROUP_M=16))]
 TALL = gemm_bf16.TALL_TILE
 TILES = [("rung 5", 5, {}), ("rung 4 256 x 128", 4, TALL), ("rung 5 256 x 128", 5, TALL),
          ("rung 4 256 x 128 GROUP_M 16", 4, dict(TALL, GROUP_M=16))]
 
 
 def variants(m, n, k, which="split"):
-    if which in ("epilogue", "shortk", "tiles"):
+    if which in ("epilogue", "shortk", "tiles", "streamk"):
         yield "rung 4", dict(step=4), 0
-        for name, number, defines in {"epilogue": EPILOGUE, "shortk": SHORT_K, "tiles": TILES}[which]:
+        for name, number, defines in {"epilogue": EPILOGUE, "shortk": SHORT_K, "tiles": TILES,
+                                      "streamk": STREAM_K}[which]:
             yield name, dict(step=number, defines=defines), 0
         return
     if m == n == k == 4096:
@@ -63,12 +67,23 @@ def time_shape(m, n, k, b_layout, rounds, which="split"):
         gemm_bf16._PLANS.clear()
         got = gemm_bf16.gemm(a, b, b_layout=b_layout, **kwargs).float()  # the plan is made (and kept) here
         err = ((got - want).abs().max() / want.abs().max()).item()
-        assert err < 1e-2, (name, err)
+        if not err < 1e-2:  # a wrong variant is reported and left out, not timed
+            print(f"{name}: WRONG, max error {err:.3g} of the largest value")
+            continue
         plan = next(iter(gemm_bf16._PLANS.values()))
-        fns[f"{name} (x{plan.splits})"] = lambda plan=plan: plan(a, b, torch.empty(m, n, dtype=torch.bfloat16,
-                                                                                    device="cuda"))
+        def call(plan=plan):
+            c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            plan(a, b, c)
+            return c
+        fns[f"{name} (x{plan.splits})"] = call
     gemm_bf16.TMA_L2_PROMOTION_BYTES = 0
+    first = {name: fn() for name, fn in fns.items() if name != "cuBLAS"}
     times = median_ms(fns, rounds)
+    for name, result in first.items():  # after hundreds of calls: still right, and bit for bit the same
+        again = fns[name]()
+        err = ((again.float() - want).abs().max() / want.abs().max()).item()
+        if not (err < 1e-2 and torch.equal(again, result)):
+            print(f"{name}: WRONG after timing (max error {err:.3g}, same bits: {torch.equal(again, result)})")
     cublas = times["cuBLAS"]
     print(f"# {m} x {n} x {k} ({b_layout})")
     for name, ms in sorted(times.items(), key=lambda item: item[1]):
@@ -80,6 +95,8 @@ SHAPES = {
               (16, 8192, 28672, "nk"), (128, 10240, 8192, "nk"), (16, 6144, 4096, "nk")],
     "shortk": [(8192, 50304, 768, "nk"), (8192, 2304, 768, "nk"), (8192, 768, 768, "nk"), (8192, 768, 3072, "nk"),
                (12608, 3072, 1024, "nk"), (12608, 1024, 1024, "nk"), (12608, 1024, 4096, "nk")],
+    "streamk": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (4096, 4096, 8192, "kn"), (8192, 8192, 8192, "kn"),
+                (4096, 14336, 4096, "nk"), (4000, 4104, 4040, "kn"), (6144, 4096, 4096, "nk"), (2048, 8192, 4096, "nk")],
     "tiles": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (8192, 8192, 8192, "kn"), (4096, 14336, 4096, "nk")],
     "epilogue": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (8192, 8192, 8192, "kn"), (2048, 2048, 2048, "kn"),
                  (4096, 14336, 4096, "nk"), (4096, 4096, 14336, "nk"), (16384, 4096, 4096, "nk")],

@@ -325,6 +325,28 @@ def test_sweep_variants_are_correct(number, defines):
         _assert_close(gemm(a, b, number, b_layout=b_layout, defines=defines), expected)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("b_layout", gemm_bf16.B_LAYOUTS)
+@pytest.mark.parametrize("m, n, k", [(1100, 4104, 4000), (2048, 8192, 1000)])
+def test_stream_k_shares_add_up_to_the_product_bit_for_bit_on_every_call(m, n, k, b_layout):
+    """Rung 4's stream-K tail on shapes whose last wave it shares out (a tile split among up to
+    seven CTAs at 1100 x 4104 x 4000, two at 2048 x 8192 x 1000, a K tail in the first): right,
+    with a fused epilogue too, and the same bits on every call (the shares are added in CTA order,
+    and the per-tile counters reset for the next launch)."""
+    ctas = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles, k_tiles = -(-m // 128) * -(-n // 256), -(-k // 64)
+    assert (tiles % ctas) * k_tiles >= 8 * ctas, "the shape must reach the stream-K path"
+    torch.manual_seed(5)
+    a, b, expected = _operands(m, n, k, b_layout)
+    first = gemm(a, b, 4, b_layout=b_layout, defines=gemm_bf16.STREAM_K_VARIANT)
+    _assert_close(first, expected)
+    for _ in range(3):
+        assert torch.equal(gemm(a, b, 4, b_layout=b_layout, defines=gemm_bf16.STREAM_K_VARIANT), first)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    got = gemm(a, b, 4, b_layout=b_layout, defines=gemm_bf16.STREAM_K_VARIANT, bias=bias, activation="gelu")
+    _assert_close(got, torch.nn.functional.gelu(expected + bias.double()))
+
+
 _TRITON_SHARED_BYTES = """
 import json, os
 os.environ["TRITON_INTERPRET"] = "0"  # compile for sm_90, even on a machine with no GPU

@@ -25,6 +25,18 @@
 // shape at 4096^3 (ncu, 2026-11-22). Measured the same as 128 x 256 (0.974x against 0.976x
 // cuBLAS at 4096^3, 1.010x against 1.008x at 8192^3; scripts/gemm_bf16_variants.py tiles),
 // so the shape is not what cuBLAS's last 2% comes from.
+// STREAM_K 1 shares the last, partial wave out evenly: every CTA takes an equal run of the
+// remaining tiles' k-tiles (at most the end of one tile and the start of the next), leaves an
+// fp32 partial for each tile it did not finish alone, and the last CTA to finish a tile adds
+// all of them up in CTA order (the same sum whoever is last) and stores it. Measured
+// (scripts/gemm_bf16_variants.py streamk, 2026-11-25): 1.034x cuBLAS at 8192^3 against 1.022x
+// without (a 52%-full last wave), but 0.86x at 4096^3 and 0.70x at 4096 x 4096 x 8192: the
+// runs start at staggered k offsets (56 of 64 k-tiles each at 4096^3: 8 different phases),
+// so the CTAs that share an A or B panel no longer read it together and the tail streams
+// from HBM instead of L2. Kept as a sweep variant; `best_kernel` does not pick it.
+// Also tried at 4096^3 and measured no better (2026-11-25, notes/2026-11-25-session11): the
+// epilogue deferred into the next tile's k-loop (results held as bf16 pairs), 0.975x against
+// 0.979x; BK 32 with 8 stages (64-byte swizzle, a finer ring), 0.977x kn and 0.924x nk.
 // Why: rung 3 paid a launch-sized pipeline fill and a global-store epilogue per tile,
 // and its last wave left most SMs idle.
 // Predicted: parity with cuBLAS at 4096^3 and above.
@@ -56,6 +68,12 @@
 #endif
 #ifndef SPLIT_K
 #define SPLIT_K 0  // 1: compile the split-K path in (see above); 0: `split_count` is ignored
+#endif
+#ifndef STREAM_K
+#define STREAM_K 0  // 1: the last, partial wave of tiles shared out evenly by k-tile (stream-K, see below)
+#endif
+#ifndef STREAM_K_MIN
+#define STREAM_K_MIN 8  // k-tiles a CTA's share must reach, else the partial wave runs as whole tiles
 #endif
 #ifndef B_KMAJOR
 #define B_KMAJOR 0  // 1: B is given as N x K (C = A @ B^T); 0: B is K x N
@@ -89,6 +107,41 @@ static_assert(WG_ROWS == 64 || (WG_ROWS == 128 && BN == 128 && !SPLIT_K),
 static_assert(BN % EPI_COLS == 0 && EPI_COLS % 64 == 0, "the epilogue slices the tile into 64-column boxes");
 static_assert(EPI_BUFFERS == 1 || EPI_BUFFERS == 2, "one epilogue buffer, or two in turn");
 static_assert(B_CHUNKS % CLUSTER_M == 0, "each CTA of a cluster loads an equal share of B");
+static_assert(!STREAM_K || (CLUSTER_M == 1 && !SPLIT_K && WG_ROWS == 64), "stream-K: one CTA a tile, 64-row slabs");
+
+// This CTA's jobs in order, each one tile (one a CTA of a cluster: CLUSTER_M row tiles, one column)
+// and a range [k0, k1) of its k-tiles. Plain: tiles blockIdx.x, + gridDim.x, ... whole. Split-K: every
+// tile `splits` times, one K range each. Stream-K: whole tiles while every CTA has one (the full
+// waves); the remaining tiles' k-tiles, taken in order, are cut into gridDim.x equal shares, so no
+// CTA idles through a partial last wave. A share is shorter than a tile, so it covers the end of
+// one tile and the start of the next at most.
+struct Job { int tile, split, k0, k1; };
+struct Jobs {
+    int k_tiles, splits, next_job, end_job, whole_tiles;
+    long long shared_next, shared_end;
+    __device__ Jobs(int tiles, int k_tiles_, int splits_) : k_tiles(k_tiles_), splits(splits_) {
+        const int ctas = gridDim.x / CLUSTER_M, rest = tiles % ctas;
+        whole_tiles = STREAM_K && (long long)rest * k_tiles >= (long long)ctas * STREAM_K_MIN ? tiles - rest : tiles;
+        next_job = blockIdx.x / CLUSTER_M, end_job = whole_tiles * splits;
+        shared_next = share_start(blockIdx.x, tiles), shared_end = share_start(blockIdx.x + 1, tiles);
+    }
+    __device__ long long share_start(int cta, int tiles) const {  // the first shared k-tile of a CTA's share
+        return STREAM_K ? (long long)(tiles - whole_tiles) * k_tiles * cta / gridDim.x : 0;
+    }
+    __device__ bool next(Job& job) {
+        if (next_job < end_job) {
+            job.tile = next_job / splits, job.split = next_job % splits;
+            job.k0 = job.split * k_tiles / splits, job.k1 = (job.split + 1) * k_tiles / splits;
+            next_job += gridDim.x / CLUSTER_M;
+            return true;
+        }
+        if (!STREAM_K || shared_next >= shared_end) return false;
+        job.tile = whole_tiles + int(shared_next / k_tiles), job.split = 0;
+        job.k0 = int(shared_next % k_tiles), job.k1 = int(min((long long)k_tiles, job.k0 + shared_end - shared_next));
+        shared_next += job.k1 - job.k0;
+        return true;
+    }
+};
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
@@ -100,6 +153,9 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
 #if SPLIT_K
     __shared__ int last_split[CONSUMERS];  // whether this warpgroup's split arrived last
 #endif
+#if STREAM_K
+    __shared__ int last_share[CONSUMERS];  // whether this warpgroup's share of a tile arrived last
+#endif
     bf16_bits* tiles = reinterpret_cast<bf16_bits*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
     bf16_bits* c_tiles = tiles + STAGES * (A_TILE + B_TILE);
     u64* full = reinterpret_cast<u64*>(c_tiles + CONSUMERS * C_TILE);
@@ -108,9 +164,7 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
     auto b_tile = [&](int s) { return tiles + s * (A_TILE + B_TILE) + A_TILE; };
 
     const int tiles_m = CEIL_DIV(M, BM), tiles_n = CEIL_DIV(N, BN), k_tiles = CEIL_DIV(K, BK);
-    // A job is one tile per CTA of a cluster: CLUSTER_M consecutive row tiles, one column.
-    const int jobs = CEIL_DIV(tiles_m, CLUSTER_M) * tiles_n * splits;
-    const int first_job = blockIdx.x / CLUSTER_M, job_stride = gridDim.x / CLUSTER_M;
+    const int job_tiles = CEIL_DIV(tiles_m, CLUSTER_M) * tiles_n;
     const u32 rank = CLUSTER_M > 1 ? cluster_rank() : 0;
     const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
 
@@ -128,11 +182,12 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
         setmaxnreg_dec<40>();
         if (threadIdx.x == 0) {
             int it = 0;  // k-tiles loaded so far, across jobs: the ring position
-            for (int job = first_job; job < jobs; job += job_stride) {
+            Jobs jobs(job_tiles, k_tiles, splits);
+            for (Job job; jobs.next(job);) {
                 int cm, tn;
-                tile_coords(job / splits, CEIL_DIV(tiles_m, CLUSTER_M), tiles_n, GROUP_M, cm, tn);
-                const int row0 = (cm * CLUSTER_M + rank) * BM, col0 = tn * BN, split = job % splits;
-                for (int kt = split * k_tiles / splits; kt < (split + 1) * k_tiles / splits; ++kt, ++it) {
+                tile_coords(job.tile, CEIL_DIV(tiles_m, CLUSTER_M), tiles_n, GROUP_M, cm, tn);
+                const int row0 = (cm * CLUSTER_M + rank) * BM, col0 = tn * BN;
+                for (int kt = job.k0; kt < job.k1; ++kt, ++it) {
                     const int s = it % STAGES;
                     mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
                     mbar_arrive_expect_tx(&full[s], STAGE_BYTES);  // all of B arrives, our share and the peers'
@@ -169,11 +224,12 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
         };
         float acc[BN / 2], acc_lower[BN / 2];  // acc_lower: rows 64-127 of the warpgroup's slab (WG_ROWS 128)
         int it = 0;
-        for (int job = first_job; job < jobs; job += job_stride) {
+        Jobs jobs(job_tiles, k_tiles, splits);
+        for (Job job; jobs.next(job);) {
             int cm, tn;
-            tile_coords(job / splits, CEIL_DIV(tiles_m, CLUSTER_M), tiles_n, GROUP_M, cm, tn);
-            const int row0 = (cm * CLUSTER_M + rank) * BM, col0 = tn * BN, split = job % splits;
-            const int kt_begin = split * k_tiles / splits, kt_end = (split + 1) * k_tiles / splits;
+            tile_coords(job.tile, CEIL_DIV(tiles_m, CLUSTER_M), tiles_n, GROUP_M, cm, tn);
+            const int row0 = (cm * CLUSTER_M + rank) * BM, col0 = tn * BN, split = job.split;
+            const int kt_begin = job.k0, kt_end = job.k1;
             for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
                 const int s = it % STAGES;
                 mbar_wait(&full[s], (it / STAGES) & 1);
@@ -237,6 +293,54 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
                         }
                 }
                 if (thread == 0) arrivals[slice] = 0;  // every split has arrived: ready for the next launch
+            }
+#endif
+
+#if STREAM_K
+            if (kt_end - kt_begin < k_tiles) {  // a share of a tile: the last CTA to finish one adds them all up
+                // A CTA's partial for its first shared tile goes to slot 2 cta, for its second to 2 cta + 1;
+                // per warp, 32 lanes x BN/8 float4s, lane-fastest (coalesced 16-byte accesses).
+                const int sk_tile = job.tile - jobs.whole_tiles, warp = thread / 32;
+                const long long tile_start = (long long)sk_tile * k_tiles;
+                auto cta_of = [&](long long k) {  // the CTA whose share holds shared k-tile k
+                    const long long shared = jobs.share_start(gridDim.x, job_tiles);
+                    return int(((k + 1) * gridDim.x - 1) / shared);
+                };
+                auto part = [&](int cta) {
+                    const int second = jobs.share_start(cta, job_tiles) < tile_start;  // its share began in an earlier tile
+                    return partials + (((size_t(2 * cta + second) * CONSUMERS + consumer) * 4 + warp) * (BN / 8)) * 32 + lane;
+                };
+                float4* mine = part(blockIdx.x);
+#pragma unroll
+                for (int q = 0; q < BN / 8; ++q)
+                    mine[q * 32] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+                __threadfence();  // our partial is visible before we count ourselves in
+                named_barrier(1 + consumer, 128);
+                const int first = cta_of(tile_start), last = cta_of(tile_start + k_tiles - 1);
+                int* arrived = arrivals + sk_tile * CONSUMERS + consumer;
+                if (thread == 0) last_share[consumer] = atomicAdd(arrived, 1) == last - first;
+                named_barrier(1 + consumer, 128);
+                if (!last_share[consumer]) continue;
+                __threadfence();
+                // Every share (our own too) added from zero in CTA order: the same sum whoever is last.
+                // Eight 16-byte loads in flight at a time keep the registers beside the accumulators few.
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+                for (int cta = first; cta <= last; ++cta) {
+                    const float4* p = part(cta);
+#pragma unroll
+                    for (int q0 = 0; q0 < BN / 8; q0 += 8) {
+                        float4 x[8];
+#pragma unroll
+                        for (int u = 0; u < 8; ++u) x[u] = __ldcg(p + (q0 + u) * 32);
+#pragma unroll
+                        for (int u = 0; u < 8; ++u) {
+                            acc[4 * (q0 + u)] += x[u].x, acc[4 * (q0 + u) + 1] += x[u].y;
+                            acc[4 * (q0 + u) + 2] += x[u].z, acc[4 * (q0 + u) + 3] += x[u].w;
+                        }
+                    }
+                }
+                if (thread == 0) *arrived = 0;  // every share has arrived: ready for the next launch
             }
 #endif
 

@@ -125,6 +125,8 @@ TMA_L2_PROMOTION_BYTES = 0  # the operand descriptors' L2 promotion (0, 64, 128,
 # Rung 4 for shapes with fewer 128 x 256 tiles than SMs: 128 x 128 tiles and split-K.
 SPLIT_K_VARIANT = {"BN": 128, "STAGES": 6, "EPI_COLS": 64, "SPLIT_K": 1}
 MIN_K_TILES_PER_SPLIT = 4  # below this a split's pipeline fill and its partial's round trip outweigh the work
+# Rung 4 with the last, partial wave of tiles shared out by k-tile across all CTAs.
+STREAM_K_VARIANT = {"STREAM_K": 1}
 # Rungs 4 and 5 with cuBLAS's tile at 4096^3 (ncu, 2026-11-22): 256 x 128, each consumer 128 rows.
 TALL_TILE = {"BM": 256, "BN": 128, "WG_ROWS": 128}
 
@@ -159,6 +161,10 @@ class _Plan:
                 auto = auto_splits(tiles, resident * cluster, _cdiv(k, p["BK"])) if p.get("SPLIT_K") else 1
                 self.splits = split_k or auto
                 grid = (min(tiles // cluster * self.splits, resident) * cluster,)
+                if p.get("STREAM_K"):  # two BM x BN fp32 partials a CTA (its share spans two tiles at most); counters
+                    where = torch.device("cuda", index)
+                    self.workspace = (torch.empty(2 * grid[0] * p["BM"] * p["BN"], dtype=torch.float32, device=where),
+                                      torch.zeros(grid[0] * p["BM"] // 64, dtype=torch.int32, device=where))
                 if self.splits > 1:  # per 64-row slice of a tile, one 64 x BN fp32 partial per split; counters
                     slices = tiles * p["BM"] // 64
                     where = torch.device("cuda", index)
@@ -340,4 +346,5 @@ SWEEP: tuple[tuple[int, dict[str, int]], ...] = (
     (6, {"EPI_COLS": 128}),
     (4, TALL_TILE),
     (5, TALL_TILE),
+    (4, STREAM_K_VARIANT),
 )
