@@ -29,8 +29,8 @@
 // remaining tiles' k-tiles (at most the end of one tile and the start of the next), leaves an
 // fp32 partial for each tile it did not finish alone, and the last CTA to finish a tile adds
 // all of them up in CTA order (the same sum whoever is last) and stores it. Measured
-// (scripts/gemm_bf16_variants.py streamk, 2026-11-25): 1.034x cuBLAS at 8192^3 against 1.022x
-// without (a 52%-full last wave), but 0.86x at 4096^3 and 0.70x at 4096 x 4096 x 8192: the
+// (scripts/gemm_bf16_variants.py streamk, 2026-11-25, two runs): 1.016-1.034x cuBLAS at 8192^3
+// against 1.001-1.022x without (a 52%-full last wave), but 0.86x at 4096^3 and 0.71x at 4096 x 4096 x 8192: the
 // runs start at staggered k offsets (56 of 64 k-tiles each at 4096^3: 8 different phases),
 // so the CTAs that share an A or B panel no longer read it together and the tail streams
 // from HBM instead of L2. Kept as a sweep variant; `best_kernel` does not pick it.
