@@ -88,6 +88,10 @@
 #define EPI_RESIDUAL 0  // 1: then + residual, a bf16 M x N tensor (a transformer's residual stream)
 #endif
 
+#ifndef TIMELINE
+#define TIMELINE 0  // 1: a diagnostic build that writes per-CTA clock readings into `partials` (scripts/gemm_timeline.py)
+#endif
+
 #ifndef WG_ROWS
 #define WG_ROWS 64  // rows a consumer warpgroup owns: 64 (one m64 wgmma a k-step) or 128 (two: 256 x 128 tiles)
 #endif
@@ -108,6 +112,22 @@ static_assert(BN % EPI_COLS == 0 && EPI_COLS % 64 == 0, "the epilogue slices the
 static_assert(EPI_BUFFERS == 1 || EPI_BUFFERS == 2, "one epilogue buffer, or two in turn");
 static_assert(B_CHUNKS % CLUSTER_M == 0, "each CTA of a cluster loads an equal share of B");
 static_assert(!STREAM_K || (CLUSTER_M == 1 && !SPLIT_K && WG_ROWS == 64), "stream-K: one CTA a tile, 64-row slabs");
+static_assert(!TIMELINE || (!STREAM_K && !SPLIT_K), "the timeline takes the partials' workspace");
+
+// TIMELINE 1: each CTA writes TIMELINE_SLOTS u64 into `partials`: its SM, %globaltimer and clock64
+// at entry and exit, then per job (up to TIMELINE_JOBS) the clock when the producer issued the job's
+// first load, when consumer 0 found that k-tile landed, when its last wgmma finished, and when its
+// epilogue had issued the last store. Enough to split a tile's time into wait, k-loop and epilogue.
+#define TIMELINE_JOBS 16
+#define TIMELINE_SLOTS (8 + 4 * TIMELINE_JOBS)
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void timeline_mark(u64* slot, bool when) {
+    if (TIMELINE && when) *slot = clock64();
+}
 
 // This CTA's jobs in order, each one tile (one a CTA of a cluster: CLUSTER_M row tiles, one column)
 // and a range [k0, k1) of its k-tiles. Plain: tiles blockIdx.x, + gridDim.x, ... whole. Split-K: every
@@ -167,6 +187,12 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
     const int job_tiles = CEIL_DIV(tiles_m, CLUSTER_M) * tiles_n;
     const u32 rank = CLUSTER_M > 1 ? cluster_rank() : 0;
     const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
+    u64* timeline = reinterpret_cast<u64*>(partials) + size_t(blockIdx.x) * TIMELINE_SLOTS;
+    if (TIMELINE && threadIdx.x == 0) {
+        u32 sm;
+        asm("mov.u32 %0, %%smid;" : "=r"(sm));
+        timeline[0] = sm, timeline[1] = global_ns(), timeline[2] = clock64();
+    }
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -181,15 +207,16 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
     if (wg == 0) {  // producer
         setmaxnreg_dec<40>();
         if (threadIdx.x == 0) {
-            int it = 0;  // k-tiles loaded so far, across jobs: the ring position
+            int it = 0, job_number = 0;  // it: k-tiles loaded so far, across jobs: the ring position
             Jobs jobs(job_tiles, k_tiles, splits);
-            for (Job job; jobs.next(job);) {
+            for (Job job; jobs.next(job); ++job_number) {
                 int cm, tn;
                 tile_coords(job.tile, CEIL_DIV(tiles_m, CLUSTER_M), tiles_n, GROUP_M, cm, tn);
                 const int row0 = (cm * CLUSTER_M + rank) * BM, col0 = tn * BN;
                 for (int kt = job.k0; kt < job.k1; ++kt, ++it) {
                     const int s = it % STAGES;
                     mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+                    timeline_mark(&timeline[8 + 4 * job_number], kt == job.k0 && job_number < TIMELINE_JOBS);
                     mbar_arrive_expect_tx(&full[s], STAGE_BYTES);  // all of B arrives, our share and the peers'
                     tma_load_2d(a_tile(s), a_map, &full[s], kt * BK, row0);
                     if (CLUSTER_M == 1) {
@@ -223,39 +250,50 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
                 for (int r = 0; r < CLUSTER_M; ++r) mbar_arrive_cluster(&empty[s], r);
         };
         float acc[BN / 2], acc_lower[BN / 2];  // acc_lower: rows 64-127 of the warpgroup's slab (WG_ROWS 128)
-        int it = 0;
+        int job_number = 0;
+        // The ring position as a stage and a phase bit, and the wgmma descriptors of stage 0 at k-slice 0:
+        // another stage or k-slice only adds a constant to the start-address field (address / 16), which
+        // halved the k-loop's instructions (97 -> 45 a k-tile) against building each descriptor afresh.
+        int stage = 0, last_stage = 0;
+        u32 phase = 0;
+        const u64 a_desc0 = kmajor_desc(a_tile(0) + consumer * WG_ROWS * BK, 0);
+        const u64 b_desc0 = B_KMAJOR ? kmajor_desc(b_tile(0), 0) : nmajor_desc<BK>(b_tile(0), 0);
+        constexpr u32 STAGE_STEP = STAGE_BYTES / 16, A_KSTEP = 32 / 16, A_LOWER = 64 * BK * 2 / 16;
+        constexpr u32 B_KSTEP = B_KMAJOR ? 32 / 16 : 16 * 64 * 2 / 16;
         Jobs jobs(job_tiles, k_tiles, splits);
-        for (Job job; jobs.next(job);) {
+        for (Job job; jobs.next(job); ++job_number) {
+            const bool mark = TIMELINE && threadIdx.x == 128 && job_number < TIMELINE_JOBS;
             int cm, tn;
             tile_coords(job.tile, CEIL_DIV(tiles_m, CLUSTER_M), tiles_n, GROUP_M, cm, tn);
             const int row0 = (cm * CLUSTER_M + rank) * BM, col0 = tn * BN, split = job.split;
             const int kt_begin = job.k0, kt_end = job.k1;
-            for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
-                const int s = it % STAGES;
-                mbar_wait(&full[s], (it / STAGES) & 1);
+            for (int kt = kt_begin; kt < kt_end; ++kt) {
+                mbar_wait(&full[stage], phase);
+                timeline_mark(&timeline[9 + 4 * job_number], mark && kt == kt_begin);
                 wgmma_fence();
+                const u64 a = a_desc0 + stage * STAGE_STEP, b = b_desc0 + stage * STAGE_STEP;
 #pragma unroll
                 for (int ks = 0; ks < BK / 16; ++ks) {
-                    const u64 a = kmajor_desc(a_tile(s) + consumer * WG_ROWS * BK, ks);
-                    const u64 b = B_KMAJOR ? kmajor_desc(b_tile(s), ks) : nmajor_desc<BK>(b_tile(s), ks);
-                    wgmma_m64k16<BN, !B_KMAJOR>(acc, a, b, kt > kt_begin || ks > 0);
-                    if constexpr (WG_ROWS == 128) {  // the same B slice against the slab's lower 64 rows
-                        const u64 a_lower = kmajor_desc(a_tile(s) + (consumer * WG_ROWS + 64) * BK, ks);
-                        wgmma_m64k16<BN, !B_KMAJOR>(acc_lower, a_lower, b, kt > kt_begin || ks > 0);
-                    }
+                    wgmma_m64k16<BN, !B_KMAJOR>(acc, a + ks * A_KSTEP, b + ks * B_KSTEP, kt > kt_begin || ks > 0);
+                    if constexpr (WG_ROWS == 128)  // the same B slice against the slab's lower 64 rows
+                        wgmma_m64k16<BN, !B_KMAJOR>(acc_lower, a + ks * A_KSTEP + A_LOWER, b + ks * B_KSTEP,
+                                                     kt > kt_begin || ks > 0);
                 }
                 wgmma_commit();
                 wgmma_wait<1>();
-                if (kt > kt_begin) release((it - 1) % STAGES);
+                if (kt > kt_begin) release(last_stage);
+                last_stage = stage;
+                if (++stage == STAGES) stage = 0, phase ^= 1;
             }
             wgmma_wait<0>();
+            timeline_mark(&timeline[10 + 4 * job_number], mark);
 #if SPLIT_K
-            if (kt_end > kt_begin) release((it - 1) % STAGES);
+            if (kt_end > kt_begin) release(last_stage);
             else
 #pragma unroll
                 for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;  // an empty K range (more splits than k-tiles)
 #else
-            release((it - 1) % STAGES);  // (K > 0: the host returns zeros itself for K = 0)
+            release(last_stage);  // (K > 0: the host returns zeros itself for K = 0)
 #endif
 
 #if SPLIT_K
@@ -365,8 +403,10 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
             };
             store_rows(acc, row0 + consumer * WG_ROWS);
             if constexpr (WG_ROWS == 128) store_rows(acc_lower, row0 + consumer * WG_ROWS + 64);
+            timeline_mark(&timeline[11 + 4 * job_number], mark);
         }
         if (thread == 0) bulk_wait_read();  // the CTA's shared memory must outlive the last store's reads
+        if (TIMELINE && threadIdx.x == 128) timeline[3] = job_number, timeline[4] = global_ns(), timeline[5] = clock64();
     }
     if (CLUSTER_M > 1) cluster_sync();  // peers may still arrive on our barriers until they finish
 }

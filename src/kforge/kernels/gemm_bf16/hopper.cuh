@@ -296,9 +296,12 @@ __device__ __forceinline__ float activation(float x) {
 }
 
 // Columns [first, first + COLS) of the same accumulator into shared memory laid out as
-// TMA's 128-byte swizzle expects (COLS/64 chunks of 64 rows x 128 bytes): the 8 rows a
-// warp writes per column group land in 8 different 16-byte units, so the 32 lanes hit 32
-// different banks. `first` must be a compile-time constant after unrolling (it indexes
+// TMA's 128-byte swizzle expects (COLS/64 chunks of 64 rows x 128 bytes), with stmatrix: one
+// instruction stores four 8 x 8 matrices, whose 8 rows land in 8 different 16-byte units, so
+// every matrix covers all 32 banks once. (4-byte stores through the generic address of the
+// hand-aligned buffer, ptxas's ST.E, took 4x the instructions; at 4096^3 stmatrix cut the
+// epilogue from ~2.3K to ~1.9K cycles a tile: benchmarks/notes/2026-11-26-session12.)
+// `first` must be a compile-time constant after unrolling (it indexes
 // registers). On the way, the fused epilogue: act(value + bias[column]) + residual[row,
 // column] in fp32 (BIAS, ACT, RESIDUAL; row0 and col0 are the 64-row slab's first row and
 // column, register 4i + 2h + e holds row 16 warp + lane / 4 + 8h and column
@@ -310,6 +313,14 @@ __device__ __forceinline__ float activation(float x) {
 __device__ __forceinline__ float2 bf16x2_to_float2(u32 pair) {
     return make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xFFFF0000u));
 }
+// Four 8 x 8 bf16 matrices to shared memory in one instruction: lane l supplies the 16-byte row
+// address of row l % 8 of matrix l / 8, and holds in register q the pair of matrix q at row l / 4,
+// columns 2 (l % 4) + {0, 1}: the accumulator's own layout, so no shuffles.
+__device__ __forceinline__ void stmatrix_x4(void* row, u32 m0, u32 m1, u32 m2, u32 m3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(smem_u32(row)), "r"(m0),
+                 "r"(m1), "r"(m2), "r"(m3)
+                 : "memory");
+}
 template <int TILE_N, int COLS, int BIAS = 0, int ACT = 0, int RESIDUAL = 0>
 __device__ __forceinline__ void store_cols_swizzled(const float (&d)[TILE_N / 2], bf16_bits* tile, int first,
                                                     int row0 = 0, int col0 = 0, int M = 0, int N = 0,
@@ -317,21 +328,34 @@ __device__ __forceinline__ void store_cols_swizzled(const float (&d)[TILE_N / 2]
                                                     const bf16_bits* __restrict__ residual = nullptr) {
     const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
     char* base = reinterpret_cast<char*>(tile);
-#pragma unroll
-    for (int j = 0; j < COLS / 8; ++j) {
-        const int i = first / 8 + j, col = col0 + 8 * i + 2 * (lane % 4);
-        float2 b = make_float2(0.0f, 0.0f);
-        if (BIAS && col < N) b = bf16x2_to_float2(__ldg(reinterpret_cast<const unsigned int*>(bias + col)));
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = 16 * warp + lane / 4 + 8 * half, chunk = j / 8, unit = (j % 8) ^ (r % 8);
-            float v0 = activation<ACT>(d[4 * i + 2 * half] + b.x), v1 = activation<ACT>(d[4 * i + 2 * half + 1] + b.y);
-            if (RESIDUAL && row0 + r < M && col < N) {
-                const float2 add = bf16x2_to_float2(
-                    __ldg(reinterpret_cast<const unsigned int*>(residual + size_t(row0 + r) * N + col)));
-                v0 += add.x, v1 += add.y;
-            }
-            *reinterpret_cast<u32*>(base + chunk * 64 * 128 + r * 128 + unit * 16 + (lane % 4) * 4) = pack_bf16x2(v0, v1);
+    // The bias of columns 8i + 2 (lane % 4) + {0, 1}, once for both halves.
+    auto bias_of = [&](int i) {
+        const int col = col0 + 8 * i + 2 * (lane % 4);
+        return BIAS && col < N ? bf16x2_to_float2(__ldg(reinterpret_cast<const unsigned int*>(bias + col)))
+                               : make_float2(0.0f, 0.0f);
+    };
+    // The fused epilogue on the pair (4i + 2h, 4i + 2h + 1): row 16 warp + lane / 4 + 8h, column 8i + 2 (lane % 4).
+    auto pair = [&](int i, int half, float2 b) {
+        const int r = 16 * warp + lane / 4 + 8 * half, col = col0 + 8 * i + 2 * (lane % 4);
+        float v0 = d[4 * i + 2 * half], v1 = d[4 * i + 2 * half + 1];
+        if (BIAS) v0 += b.x, v1 += b.y;  // (+0.0f would not be free: it turns -0 into +0)
+        v0 = activation<ACT>(v0), v1 = activation<ACT>(v1);
+        if (RESIDUAL && row0 + r < M && col < N) {
+            const float2 add =
+                bf16x2_to_float2(__ldg(reinterpret_cast<const unsigned int*>(residual + size_t(row0 + r) * N + col)));
+            v0 += add.x, v1 += add.y;
         }
+        return pack_bf16x2(v0, v1);
+    };
+    // Two 8-column groups a step: matrices (group j, rows 0-7), (j, rows 8-15), (j + 1, 0-7), (j + 1, 8-15).
+    const int q = lane / 8, r = 16 * warp + lane % 8 + 8 * (q % 2);
+#pragma unroll
+    for (int j = 0; j < COLS / 8; j += 2) {
+        const int i = first / 8 + j, jq = j + q / 2;
+        const float2 b0 = bias_of(i);
+        const u32 m0 = pair(i, 0, b0), m1 = pair(i, 1, b0);
+        const float2 b1 = bias_of(i + 1);
+        stmatrix_x4(base + (jq / 8) * 64 * 128 + r * 128 + ((jq % 8) ^ (r % 8)) * 16, m0, m1, pair(i + 1, 0, b1),
+                    pair(i + 1, 1, b1));
     }
 }
