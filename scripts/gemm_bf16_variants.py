@@ -10,9 +10,10 @@ split-K variant. SET "epilogue": rung 4 against its epilogue variants (two slice
 a whole-tile buffer at 3 stages) and rung 6 (ping-pong) at large squares and LLM shapes.
 SET "shortk": rungs 4, 5, 6 and 128 x 128 tiles on the GEMMs of GPT-2 small and ViT-L
 (K 768-4096, the LM head's N 50304), where the epilogue weighs most. SET "tiles": 128 x 256
-(rungs 4, 5) against 256 x 128 (cuBLAS's tile at 4096^3), at squares and an LLM shape. SET
-"after" (session 12, after the stmatrix epilogue and the lean k-loop): rung 4 against two
-epilogue buffers, other GROUP_M and the 256 x 128 tile.
+(rungs 4, 5) against 256 x 128 (cuBLAS's tile at 4096^3), at squares and an LLM shape. SET "spread": rung 4 (since
+session 12 its epilogue overlaps the next tile's k-loop) against its epilogue after the k-loop
+as before, and against storing a slice every k-tile or every 4 instead of every 2. SET "llm":
+rungs 4 and 5 on the M = 4096 Llama-3 8B and 70B projections of `kforge bench gemm`.
 """
 
 import sys
@@ -36,18 +37,18 @@ STREAM_K = [("rung 5", 5, {}), ("rung 4 stream-K", 4, gemm_bf16.STREAM_K_VARIANT
             ("rung 4 stream-K min 4", 4, dict(gemm_bf16.STREAM_K_VARIANT, STREAM_K_MIN=4)),
             ("rung 4 stream-K GROUP_M 16", 4, dict(gemm_bf16.STREAM_K_VARIANT, GROUP_M=16))]
 TALL = gemm_bf16.TALL_TILE
-AFTER = [("rung 5", 5, {}), ("rung 4 2 x 64-wide buffers", 4, {"EPI_COLS": 64, "EPI_BUFFERS": 2}),
-         ("rung 4 GROUP_M 16", 4, {"GROUP_M": 16}), ("rung 4 GROUP_M 4", 4, {"GROUP_M": 4}),
-         ("rung 4 256 x 128", 4, TALL)]
 TILES = [("rung 5", 5, {}), ("rung 4 256 x 128", 4, TALL), ("rung 5 256 x 128", 5, TALL),
          ("rung 4 256 x 128 GROUP_M 16", 4, dict(TALL, GROUP_M=16))]
+LLM = [("rung 5", 5, {})]
+SPREAD = [("rung 5", 5, {}), ("rung 4 epilogue after the k-loop", 4, gemm_bf16.EPILOGUE_AFTER_KLOOP),
+          ("rung 4 a slice every k-tile", 4, {"EPI_SPREAD": 1}), ("rung 4 a slice every 4 k-tiles", 4, {"EPI_SPREAD": 4})]
 
 
 def variants(m, n, k, which="split"):
-    if which in ("epilogue", "shortk", "tiles", "streamk", "after"):
+    if which in ("epilogue", "shortk", "tiles", "streamk", "spread", "llm"):
         yield "rung 4", dict(step=4), 0
         for name, number, defines in {"epilogue": EPILOGUE, "shortk": SHORT_K, "tiles": TILES,
-                                      "streamk": STREAM_K, "after": AFTER}[which]:
+                                      "streamk": STREAM_K, "spread": SPREAD, "llm": LLM}[which]:
             yield name, dict(step=number, defines=defines), 0
         return
     if m == n == k == 4096:
@@ -102,8 +103,12 @@ SHAPES = {
                (12608, 3072, 1024, "nk"), (12608, 1024, 1024, "nk"), (12608, 1024, 4096, "nk")],
     "streamk": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (4096, 4096, 8192, "kn"), (8192, 8192, 8192, "kn"),
                 (4096, 14336, 4096, "nk"), (4000, 4104, 4040, "kn"), (6144, 4096, 4096, "nk"), (2048, 8192, 4096, "nk")],
-    "after": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (8192, 8192, 8192, "kn"), (4096, 14336, 4096, "nk"),
-              (2048, 8192, 4096, "nk"), (4096, 4096, 8192, "kn")],
+    "llm": [(4096, 6144, 4096, "nk"), (4096, 28672, 4096, "nk"), (4096, 4096, 14336, "nk"), (4096, 10240, 8192, "nk"),
+            (4096, 8192, 8192, "nk"), (4096, 57344, 8192, "nk"), (4096, 8192, 28672, "nk"), (8192, 8192, 8192, "kn"),
+            (4096, 4096, 4096, "kn")],
+    "spread": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (8192, 8192, 8192, "kn"), (4096, 14336, 4096, "nk"),
+              (2048, 8192, 4096, "nk"), (4096, 4096, 8192, "kn"), (4000, 4104, 4040, "kn"), (8192, 2304, 768, "nk"),
+              (2048, 2048, 64, "kn"), (8192, 50304, 768, "nk"), (12608, 1024, 4096, "nk")],
     "tiles": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (8192, 8192, 8192, "kn"), (4096, 14336, 4096, "nk")],
     "epilogue": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (8192, 8192, 8192, "kn"), (2048, 2048, 2048, "kn"),
                  (4096, 14336, 4096, "nk"), (4096, 4096, 14336, "nk"), (16384, 4096, 4096, "nk")],

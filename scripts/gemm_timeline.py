@@ -27,7 +27,8 @@ from kforge.kernels import gemm_bf16
 JOBS, SLOTS = 16, 8 + 4 * 16  # TIMELINE_JOBS, TIMELINE_SLOTS in 04_persistent.cu
 TENSOR_FLOP_PER_CYCLE = 4096  # one H100 SM, dense bf16 (989 TFLOP/s = 132 SMs x 4096 x 1.83 GHz)
 VARIANTS = {"rung4": (4, {}), "rung5": (5, {}), "rung4-tall": (4, gemm_bf16.TALL_TILE),
-            "rung4-epi64x2": (4, {"EPI_COLS": 64, "EPI_BUFFERS": 2})}
+            "rung4-after": (4, gemm_bf16.EPILOGUE_AFTER_KLOOP),
+            "rung4-spread1": (4, {"EPI_SPREAD": 1}), "rung4-spread4": (4, {"EPI_SPREAD": 4})}
 
 
 def breakdown(t: np.ndarray, k_loop_ideal: float) -> list[str]:

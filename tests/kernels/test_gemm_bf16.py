@@ -185,10 +185,11 @@ def test_ops_matmul_picks_the_rung_by_tiles_waves_width_and_k():
     assert best_kernel(1024, 1024, 1024) == (4, gemm_bf16.SPLIT_K_VARIANT)  # 32 tiles of 128 x 256
     assert best_kernel(16, 4096, 14336) == (4, gemm_bf16.SPLIT_K_VARIANT)
     assert best_kernel(16, 28672, 4096) == (4, {})  # 112 tiles: most SMs busy, one row tile
-    assert best_kernel(4096, 4096, 4096) == (4, {})  # K = 4096: a tie on the device, rung 4 through the op
-    assert best_kernel(8192, 8192, 8192) == (5, {})  # wide and long: clusters share B
+    assert best_kernel(4096, 4096, 4096) == (4, {})
+    assert best_kernel(8192, 8192, 8192) == (4, {})  # rung 5 no faster since the overlapped epilogue
     assert best_kernel(2048, 2048, 2048) == (4, {})  # 128 tiles: one wave
-    assert best_kernel(8192, 50304, 768) == (6, {})  # short K: the epilogue weighs
+    assert best_kernel(8192, 50304, 768) == (5, {})  # wide N, short K: clusters share B
+    assert best_kernel(8192, 2304, 768) == (4, {})  # 576 tiles: 4.4 waves
     assert best_kernel(8192, 768, 3072) == (6, {})  # 192 tiles: 1.45 waves
     assert best_kernel(12608, 1024, 4096) == (4, {})  # 396 tiles: 3.0 waves
     assert best_kernel(16, 4096, 4096, sms=8) == (4, {})  # a smaller GPU fills up sooner
@@ -240,6 +241,21 @@ def test_rungs_are_correct_on_odd_shapes(step, b_layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("b_layout", gemm_bf16.B_LAYOUTS)
+@pytest.mark.parametrize("number", [4, 5])
+def test_overlapped_epilogue_stores_every_tile_of_a_cta_with_several(number, b_layout):
+    """Rungs 4 and 5 store a tile's results under the next tile's k-loop, one 64-column slice
+    every EPI_SPREAD (2) k-tiles: more tiles than SMs, so CTAs run several in turn, with K of 2
+    and 3 k-tiles (room for one slice: the other 3 go out after the k-loop) and of 9 (all 4
+    under it), into a NaN-poisoned output."""
+    torch.manual_seed(3)
+    for m, n, k in ((2000, 2056, 72), (4000, 4104, 136), (3000, 2056, 520)):
+        a, b, expected = _operands(m, n, k, b_layout)
+        torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")  # freed: the output reuses it
+        _assert_close(gemm(a, b, number, b_layout=b_layout), expected)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("step", RUNGS, ids=lambda r: r.label)
 def test_back_to_back_calls_each_read_their_own_operands(step):
     """The lean launch path rewrites one plan's tensor maps and arguments on every call: calls
@@ -279,10 +295,11 @@ def test_split_k_sums_every_split_once_and_leaves_the_counters_ready(m, n, k, sp
 def test_fused_epilogue_matches_float64_on_odd_shapes(number, defines, activation):
     """act(a @ b + bias) [+ residual] against float64, outputs ~N(0, 1) so every activation's
     curve is exercised, with and without the bias and the residual, both layouts; rows and
-    columns past C read no bias or residual."""
+    columns past C read no bias or residual. 2000 x 2056: CTAs with several tiles, whose
+    epilogue (bias, tanh-GELU, SiLU) rung 4 runs under the next tile's k-loop."""
     torch.manual_seed(5)
     for b_layout in gemm_bf16.B_LAYOUTS:
-        for m, n, k in [(67, 48, 72), (257, 264, 4104), (300, 1032, 520)]:
+        for m, n, k in [(67, 48, 72), (257, 264, 4104), (300, 1032, 520), (2000, 2056, 136)]:
             a, b, product = _operands(m, n, k, b_layout)
             a, product = a / k**0.5, product / k**0.5  # (a power of two apart only when k is: rescale exactly)
             a = a.to(torch.bfloat16)

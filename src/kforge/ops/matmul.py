@@ -15,32 +15,30 @@ import torch
 
 
 def best_kernel(m: int, n: int, k: int, sms: int = 132) -> tuple[int, dict[str, int]]:
-    """Which rung and variant for an M x N x K product on `sms` SMs, from the H100 tables
-    (benchmarks/notes/2026-11-22-session7: gemm-bf16-variants-{epilogue,shortk}.txt, the
-    ladders ladder-{4096,8192}.txt, and `kforge bench gemm`):
+    """Which rung and variant for an M x N x K product on `sms` SMs, from the H100 tables of
+    benchmarks/notes/2026-11-26-session12 (variants-6-spread.txt, variants-6-shortk.txt,
+    variants-7-llm.txt: device time against cuBLAS in the same run), after rung 4's epilogue
+    moved under the next tile's k-loop:
 
     - 128 x 256 tiles leaving more than half the SMs idle (skinny M, 1024^3): rung 4's split-K
       variant cuts each 128 x 128 tile's K loop across the idle SMs.
-    - K <= 1024, or 128 x 256 tiles filling their last wave less than 3/4: rung 6. Its two
-      consumers take turns, one's epilogue under the other's k-loop, which pays where the
-      k-loop is short (GPT-2's 8192 x 2304 x 768: 1.03x cuBLAS against rung 4's 0.92x; the LM
-      head 8192 x 50304 x 768: 0.99x against 0.95x) or the tiles few (8192 x 768 x 3072, 1.45
-      waves: 0.94x against 0.77x).
-    - Wide, long products (M > 128, N >= 4096, K >= 8192) of two waves or more: rung 5, whose
-      2-CTA clusters share each B panel over many k-tiles (8192^3 through the harness: 1.000x
-      cuBLAS against rung 4's 0.981x). At K = 4096 it is a tie on the device (4096^3 0.976x
-      and 0.978x) and through kforge.ops.matmul rung 4 measured the faster (the Level 1
-      linear 4096^3: 196 against 240 us); where N is narrow the pairs cost more than they
-      share (12608 x 1024 x 4096: 0.77x against rung 4's 1.00x).
-    - Otherwise rung 4, the 128 x 256 cooperative kernel."""
+    - 128 x 256 tiles filling their last wave less than 3/4: rung 6, whose 128 x 128 tiles
+      fill it better (8192 x 768 x 3072, 1.45 waves: 0.95x cuBLAS against rung 4's 0.80x;
+      8192 x 768 x 768: 1.04x against 0.89x).
+    - Wide outputs over a short K (N >= 32768, K <= 1024: an LM head): rung 5, whose 2-CTA
+      clusters share each B panel (8192 x 50304 x 768: 1.065x against rung 4's 1.045x, two runs).
+    - Otherwise rung 4, the 128 x 256 cooperative kernel: 1.006-1.009x at 4096^3, 1.03x at
+      8192^3, 0.98-1.02x over the M = 4096 Llama-3 projections, where rung 5 is no faster
+      (0.99-1.02x). Short K went to rung 6 before the overlap; rung 4 now wins there too
+      (12608 x 3072 x 1024: 1.08x against 1.01x) but for 8192 x 2304 x 768 (1.03x against 1.07x)."""
     from kforge.kernels.gemm_bf16 import SPLIT_K_VARIANT
 
     tiles = -(-m // 128) * -(-n // 256)
     if 2 * tiles <= sms:
         return 4, dict(SPLIT_K_VARIANT)
-    if k <= 1024 or tiles / sms / -(-tiles // sms) < 0.75:
+    if tiles / sms / -(-tiles // sms) < 0.75:
         return 6, {}
-    if m > 128 and n >= 4096 and k >= 8192 and tiles >= 2 * sms:  # (a cluster pairs two row tiles)
+    if n >= 32768 and k <= 1024 and tiles >= 2 * sms:  # (a cluster pairs two row tiles)
         return 5, {}
     return 4, {}
 

@@ -12,8 +12,8 @@ Which rung, from the H100 table `benchmarks/notes/2026-11-22-session7/fused-line
                                        1.22x (GPT-2's tanh-GELU c_fc) eager; the ping-pong
                                        rung 6 measured 0.94-1.12x there
     bias only                          `kforge.ops.matmul.best_kernel`'s pick for the shape
-                                       (rung 6 at short K: GPT-2's c_attn 0.99x eager, 1.03x
-                                       cuBLAS without the bias)
+                                       (rung 4 at short K since its epilogue runs under the
+                                       next tile's k-loop, 2026-11-26; rung 6 there before)
 
 The residual epilogue reads its operand with plain loads inside the epilogue, which the
 mainloop does not hide: 0.73-0.95x eager where K is short (GPT-2's 768 x 768 projection).

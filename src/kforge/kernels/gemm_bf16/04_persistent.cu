@@ -7,9 +7,23 @@
 // counters carry on across tiles, so there is no prologue bubble per tile. Results go
 // registers -> swizzled shared memory (conflict-free) -> one bulk tensor store per
 // 64 x 64 box, replacing rung 3's scattered 4-byte global stores. The tile leaves in
-// EPI_COLS-wide slices through one small buffer, which leaves room for a 4th stage. With
-// EPI_BUFFERS 2 the slices alternate between two buffers, so a slice waits only for the
-// store two slices back, not for the one just issued (same shared memory at half the width).
+// EPI_COLS-wide slices through small buffers, which leaves room for a 4th stage; with
+// EPI_BUFFERS 2 the slices alternate between two, so a slice waits only for the store two
+// slices back.
+// The epilogue overlaps the next tile (EPI_OVERLAP, session 12). scripts/gemm_timeline.py
+// (clock64 per CTA and tile at 4096^3) showed the k-loop at the tensor cores' peak (64 k-tiles
+// in 1.00x their 65.5K-cycle minimum) and the tile's stores costing 2.1K cycles with the
+// tensor cores idle, 3% of the kernel. Now a tile's results are rounded into 64 bf16-pair
+// registers as soon as its last wgmma is done, the next tile's wgmmas start, and one 64-column
+// slice is stored under every EPI_SPREAD-th (2nd) of its k-tiles, after that k-tile's wgmmas
+// are issued. A slice under every k-tile slowed the k-loop by 1-2% (the slices' shared-memory
+// writes and reads beside wgmma's operand reads); every 2nd kept it at 1.00x. Measured against
+// the epilogue after the k-loop (scripts/gemm_bf16_variants.py spread, 2026-11-26, x cuBLAS):
+// 4096^3 1.006-1.009x against 0.996-1.001x; 8192^3 1.034x against 1.026x; 8192 x 2304 x 768
+// 1.026x against 0.967x. Tried and not kept: 128-column slices (1.03-1.04x ideal k-loop);
+// each warp storing its own 16 rows without the warpgroup barrier (more, smaller TMA
+// stores: no faster). The k-loop itself builds no descriptors: stage 0's are offset by a
+// constant per stage and k-slice (97 -> 45 instructions a k-tile; 0 to +0.6%).
 // Also here, compiled out at CLUSTER_M 1: rung 5's thread-block clusters (see 05_clusters.cu).
 // Split-K, for shapes with fewer tiles than SMs (skinny M, or 1024^3: 32 tiles on 132 SMs):
 // compiled in with SPLIT_K 1 (its registers do not fit beside a 128 x 256 tile's
@@ -34,12 +48,14 @@
 // runs start at staggered k offsets (56 of 64 k-tiles each at 4096^3: 8 different phases),
 // so the CTAs that share an A or B panel no longer read it together and the tail streams
 // from HBM instead of L2. Kept as a sweep variant; `best_kernel` does not pick it.
-// Also tried at 4096^3 and measured no better (2026-11-25, notes/2026-11-25-session11): the
-// epilogue deferred into the next tile's k-loop (results held as bf16 pairs), 0.975x against
-// 0.979x; BK 32 with 8 stages (64-byte swizzle, a finer ring), 0.977x kn and 0.924x nk.
+// Also tried at 4096^3 and measured no better (2026-11-25, notes/2026-11-25-session11): BK 32
+// with 8 stages (64-byte swizzle, a finer ring), 0.977x kn and 0.924x nk. (A deferred epilogue
+// measured no better then, 0.975x against 0.979x: its 64 generic 4-byte stores a slice, not
+// stmatrix, and all of them under the first k-tiles.)
 // Why: rung 3 paid a launch-sized pipeline fill and a global-store epilogue per tile,
 // and its last wave left most SMs idle.
-// Predicted: parity with cuBLAS at 4096^3 and above.
+// Predicted: parity with cuBLAS at 4096^3 and above. Measured (kforge ladder, 2026-11-26):
+// 1.007x cuBLAS at 4096^3, 1.019x at 8192^3.
 #include "hopper.cuh"
 
 #ifndef BM
@@ -55,10 +71,10 @@
 #define STAGES 4
 #endif
 #ifndef EPI_COLS
-#define EPI_COLS 128  // the epilogue stores the tile in slices this wide (less shared memory, more stages)
+#define EPI_COLS 64  // the epilogue stores the tile in slices this wide (less shared memory, more stages)
 #endif
 #ifndef EPI_BUFFERS
-#define EPI_BUFFERS 1  // epilogue slice buffers per consumer: 2 lets one slice fill while the last is stored
+#define EPI_BUFFERS 2  // epilogue slice buffers per consumer: 2 lets one slice fill while the last is stored
 #endif
 #ifndef GROUP_M
 #define GROUP_M 8
@@ -95,6 +111,13 @@
 #ifndef WG_ROWS
 #define WG_ROWS 64  // rows a consumer warpgroup owns: 64 (one m64 wgmma a k-step) or 128 (two: 256 x 128 tiles)
 #endif
+#ifndef EPI_OVERLAP  // 1: a tile's results wait as bf16 pairs in registers, stored under the next tile's k-loop
+// (not with a residual or erf-GELU: beside 128 accumulators and 64 held pairs, they spilled)
+#define EPI_OVERLAP (!SPLIT_K && !STREAM_K && WG_ROWS == 64 && !EPI_RESIDUAL && EPI_ACT != 1)
+#endif
+#ifndef EPI_SPREAD
+#define EPI_SPREAD 2  // with EPI_OVERLAP: k-tiles per slice stored (2: a slice under every other k-tile)
+#endif
 #define CONSUMERS (BM / WG_ROWS)
 #define NUM_THREADS (128 * (CONSUMERS + 1))
 #define A_TILE (BM * BK)
@@ -113,6 +136,8 @@ static_assert(EPI_BUFFERS == 1 || EPI_BUFFERS == 2, "one epilogue buffer, or two
 static_assert(B_CHUNKS % CLUSTER_M == 0, "each CTA of a cluster loads an equal share of B");
 static_assert(!STREAM_K || (CLUSTER_M == 1 && !SPLIT_K && WG_ROWS == 64), "stream-K: one CTA a tile, 64-row slabs");
 static_assert(!TIMELINE || (!STREAM_K && !SPLIT_K), "the timeline takes the partials' workspace");
+static_assert(!EPI_OVERLAP || (!STREAM_K && !SPLIT_K && WG_ROWS == 64), "the overlapped epilogue: whole tiles, one slab");
+#define EPI_SLICES (BN / EPI_COLS)
 
 // TIMELINE 1: each CTA writes TIMELINE_SLOTS u64 into `partials`: its SM, %globaltimer and clock64
 // at entry and exit, then per job (up to TIMELINE_JOBS) the clock when the producer issued the job's
@@ -260,6 +285,39 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
         const u64 b_desc0 = B_KMAJOR ? kmajor_desc(b_tile(0), 0) : nmajor_desc<BK>(b_tile(0), 0);
         constexpr u32 STAGE_STEP = STAGE_BYTES / 16, A_KSTEP = 32 / 16, A_LOWER = 64 * BK * 2 / 16;
         constexpr u32 B_KSTEP = B_KMAJOR ? 32 / 16 : 16 * 64 * 2 / 16;
+        // One EPI_COLS-wide slice of a 64-row result goes out through this consumer's slice buffers:
+        // slice_begin waits until the buffer's previous store has read it (stores complete in order, so
+        // with two buffers "all but the latest group" is this buffer's); the caller fills it (swizzled);
+        // slice_end hands it to the TMA store.
+        auto slice_begin = [&](int sl) {
+            if (thread == 0) bulk_wait_read<EPI_BUFFERS - 1>();
+            named_barrier(1 + consumer, 128);
+            return c_tile + sl % EPI_BUFFERS * 64 * EPI_COLS;
+        };
+        auto slice_end = [&](bf16_bits* slice, int sl, int first_row, int first_col) {
+            fence_proxy_async();
+            named_barrier(1 + consumer, 128);
+            if (thread == 0) {
+                for (int c = 0; c < EPI_COLS / 64; ++c)
+                    tma_store_2d(c_map, slice + c * 64 * 64, first_col + sl * EPI_COLS + 64 * c, first_row);
+                bulk_commit();
+            }
+        };
+#if EPI_OVERLAP
+        // The previous tile's results as bf16 pairs (pack_tile), stored one slice per k-tile under this
+        // tile's first k-tiles, while the tensor cores work through the wgmmas just issued.
+        u32 held[BN / 4];
+        int held_row = -1, held_col = 0;  // held_row < 0: nothing held
+        auto store_held = [&](int sl) {  // slice `sl` (a run-time value) of the held tile
+#pragma unroll
+            for (int s = 0; s < EPI_SLICES; ++s)
+                if (s == sl) {  // (held[] is registers: each slice's indices must be constants)
+                    bf16_bits* slice = slice_begin(s);
+                    store_packed_swizzled<BN, EPI_COLS>(held, slice, s * EPI_COLS);
+                    slice_end(slice, s, held_row, held_col);
+                }
+        };
+#endif
         Jobs jobs(job_tiles, k_tiles, splits);
         for (Job job; jobs.next(job); ++job_number) {
             const bool mark = TIMELINE && threadIdx.x == 128 && job_number < TIMELINE_JOBS;
@@ -280,6 +338,11 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
                                                      kt > kt_begin || ks > 0);
                 }
                 wgmma_commit();
+#if EPI_OVERLAP
+                if (held_row >= 0 && (kt - kt_begin) % EPI_SPREAD == EPI_SPREAD - 1 &&
+                    (kt - kt_begin) / EPI_SPREAD < EPI_SLICES)
+                    store_held((kt - kt_begin) / EPI_SPREAD);
+#endif
                 wgmma_wait<1>();
                 if (kt > kt_begin) release(last_stage);
                 last_stage = stage;
@@ -382,29 +445,31 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
             }
 #endif
 
-            // Epilogue, slice by slice: wait until the buffer's previous store has read it, fill it, store it.
-            // Stores complete in order, so with two buffers "all but the latest group" is this buffer's.
+#if EPI_OVERLAP
+            for (int sl = (kt_end - kt_begin) / EPI_SPREAD; sl < EPI_SLICES; ++sl)  // a K too short to store them all under
+                if (held_row >= 0) store_held(sl);
+            pack_tile<BN, EPI_BIAS, EPI_ACT, EPI_RESIDUAL>(acc, held, row0 + consumer * 64, col0, M, N, bias, residual);
+            held_row = row0 + consumer * 64, held_col = col0;
+#else
+            // Epilogue, slice by slice: fill a buffer from the accumulator, store it.
             auto store_rows = [&](const float (&d)[BN / 2], int first_row) {  // one 64-row accumulator
 #pragma unroll
-                for (int first = 0; first < BN; first += EPI_COLS) {
-                    bf16_bits* slice = c_tile + (first / EPI_COLS) % EPI_BUFFERS * 64 * EPI_COLS;
-                    if (thread == 0) bulk_wait_read<EPI_BUFFERS - 1>();
-                    named_barrier(1 + consumer, 128);
-                    store_cols_swizzled<BN, EPI_COLS, EPI_BIAS, EPI_ACT, EPI_RESIDUAL>(
-                        d, slice, first, first_row, col0, M, N, bias, residual);
-                    fence_proxy_async();
-                    named_barrier(1 + consumer, 128);
-                    if (thread == 0) {
-                        for (int c = 0; c < EPI_COLS / 64; ++c)
-                            tma_store_2d(c_map, slice + c * 64 * 64, col0 + first + 64 * c, first_row);
-                        bulk_commit();
-                    }
+                for (int sl = 0; sl < EPI_SLICES; ++sl) {
+                    bf16_bits* slice = slice_begin(sl);
+                    store_cols_swizzled<BN, EPI_COLS, EPI_BIAS, EPI_ACT, EPI_RESIDUAL>(d, slice, sl * EPI_COLS, first_row,
+                                                                                     col0, M, N, bias, residual);
+                    slice_end(slice, sl, first_row, col0);
                 }
             };
             store_rows(acc, row0 + consumer * WG_ROWS);
             if constexpr (WG_ROWS == 128) store_rows(acc_lower, row0 + consumer * WG_ROWS + 64);
+#endif
             timeline_mark(&timeline[11 + 4 * job_number], mark);
         }
+#if EPI_OVERLAP
+        if (held_row >= 0)  // the last tile
+            for (int sl = 0; sl < EPI_SLICES; ++sl) store_held(sl);
+#endif
         if (thread == 0) bulk_wait_read();  // the CTA's shared memory must outlive the last store's reads
         if (TIMELINE && threadIdx.x == 128) timeline[3] = job_number, timeline[4] = global_ns(), timeline[5] = clock64();
     }

@@ -123,10 +123,12 @@ def _check(a: torch.Tensor, b: torch.Tensor, b_layout: str) -> tuple[int, int, i
 TMA_L2_PROMOTION_BYTES = 0  # the operand descriptors' L2 promotion (0, 64, 128, 256): how TMA fills L2 lines
 
 # Rung 4 for shapes with fewer 128 x 256 tiles than SMs: 128 x 128 tiles and split-K.
-SPLIT_K_VARIANT = {"BN": 128, "STAGES": 6, "EPI_COLS": 64, "SPLIT_K": 1}
+SPLIT_K_VARIANT = {"BN": 128, "STAGES": 6, "EPI_COLS": 64, "EPI_BUFFERS": 1, "SPLIT_K": 1}
 MIN_K_TILES_PER_SPLIT = 4  # below this a split's pipeline fill and its partial's round trip outweigh the work
 # Rung 4 with the last, partial wave of tiles shared out by k-tile across all CTAs.
 STREAM_K_VARIANT = {"STREAM_K": 1}
+# Rungs 4 and 5 with the epilogue after the k-loop (their default until 2026-11-26), not under the next tile's.
+EPILOGUE_AFTER_KLOOP = {"EPI_OVERLAP": 0, "EPI_COLS": 128, "EPI_BUFFERS": 1}
 # Rungs 4 and 5 with cuBLAS's tile at 4096^3 (ncu, 2026-11-22): 256 x 128, each consumer 128 rows.
 TALL_TILE = {"BM": 256, "BN": 128, "WG_ROWS": 128}
 
@@ -334,14 +336,13 @@ class TritonMatmul(nn.Module):
 # `kforge ladder gemm --dtype bf16 --sweep`: variants of the persistent rungs (rung number, defines).
 SWEEP: tuple[tuple[int, dict[str, int]], ...] = (
     (4, {}),
-    (4, {"STAGES": 3, "EPI_COLS": 256}),
-    (4, {"STAGES": 4, "EPI_COLS": 64}),
+    (4, {"STAGES": 3, "EPI_COLS": 256, "EPI_BUFFERS": 1}),
+    (4, EPILOGUE_AFTER_KLOOP),
     (4, {"GROUP_M": 16}),
-    (4, {"BN": 128, "STAGES": 6, "EPI_COLS": 64}),
+    (4, {"BN": 128, "STAGES": 6, "EPI_COLS": 64, "EPI_BUFFERS": 1}),
     (4, SPLIT_K_VARIANT),
     (5, {}),
-    (5, {"STAGES": 4, "EPI_COLS": 64}),
-    (4, {"EPI_COLS": 64, "EPI_BUFFERS": 2}),
+    (5, EPILOGUE_AFTER_KLOOP),
     (6, {}),
     (6, {"EPI_COLS": 128}),
     (4, TALL_TILE),

@@ -321,41 +321,75 @@ __device__ __forceinline__ void stmatrix_x4(void* row, u32 m0, u32 m1, u32 m2, u
                  "r"(m1), "r"(m2), "r"(m3)
                  : "memory");
 }
+// The fused epilogue on one accumulator pair (4i + 2h, 4i + 2h + 1), rounded to bf16: row
+// 16 warp + lane / 4 + 8h of the slab, column 8i + 2 (lane % 4) of the tile; `b` is that
+// column pair's bias (bias_pair).
+template <int BIAS, int ACT, int RESIDUAL>
+__device__ __forceinline__ u32 epilogue_pair(float v0, float v1, float2 b, int i, int half, int row0, int col0, int M,
+                                             int N, const bf16_bits* __restrict__ residual) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    const int r = 16 * warp + lane / 4 + 8 * half, col = col0 + 8 * i + 2 * (lane % 4);
+    if (BIAS) v0 += b.x, v1 += b.y;  // (+0.0f would not be free: it turns -0 into +0)
+    v0 = activation<ACT>(v0), v1 = activation<ACT>(v1);
+    if (RESIDUAL && row0 + r < M && col < N) {
+        const float2 add =
+            bf16x2_to_float2(__ldg(reinterpret_cast<const unsigned int*>(residual + size_t(row0 + r) * N + col)));
+        v0 += add.x, v1 += add.y;
+    }
+    return pack_bf16x2(v0, v1);
+}
+template <int BIAS>
+__device__ __forceinline__ float2 bias_pair(int i, int col0, int N, const bf16_bits* __restrict__ bias) {
+    const int col = col0 + 8 * i + 2 * (threadIdx.x % 4);
+    return BIAS && col < N ? bf16x2_to_float2(__ldg(reinterpret_cast<const unsigned int*>(bias + col)))
+                           : make_float2(0.0f, 0.0f);
+}
+// Where lane l's stmatrix row address points for column groups (j, j + 1) of a swizzled slice:
+// matrices (group j, rows 0-7), (j, rows 8-15), (j + 1, 0-7), (j + 1, 8-15).
+__device__ __forceinline__ char* stmatrix_row(bf16_bits* tile, int j) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
+    const int q = lane / 8, r = 16 * warp + lane % 8 + 8 * (q % 2), jq = j + q / 2;
+    return reinterpret_cast<char*>(tile) + (jq / 8) * 64 * 128 + r * 128 + ((jq % 8) ^ (r % 8)) * 16;
+}
 template <int TILE_N, int COLS, int BIAS = 0, int ACT = 0, int RESIDUAL = 0>
 __device__ __forceinline__ void store_cols_swizzled(const float (&d)[TILE_N / 2], bf16_bits* tile, int first,
                                                     int row0 = 0, int col0 = 0, int M = 0, int N = 0,
                                                     const bf16_bits* __restrict__ bias = nullptr,
                                                     const bf16_bits* __restrict__ residual = nullptr) {
-    const int lane = threadIdx.x % 32, warp = (threadIdx.x / 32) % 4;
-    char* base = reinterpret_cast<char*>(tile);
-    // The bias of columns 8i + 2 (lane % 4) + {0, 1}, once for both halves.
-    auto bias_of = [&](int i) {
-        const int col = col0 + 8 * i + 2 * (lane % 4);
-        return BIAS && col < N ? bf16x2_to_float2(__ldg(reinterpret_cast<const unsigned int*>(bias + col)))
-                               : make_float2(0.0f, 0.0f);
-    };
-    // The fused epilogue on the pair (4i + 2h, 4i + 2h + 1): row 16 warp + lane / 4 + 8h, column 8i + 2 (lane % 4).
     auto pair = [&](int i, int half, float2 b) {
-        const int r = 16 * warp + lane / 4 + 8 * half, col = col0 + 8 * i + 2 * (lane % 4);
-        float v0 = d[4 * i + 2 * half], v1 = d[4 * i + 2 * half + 1];
-        if (BIAS) v0 += b.x, v1 += b.y;  // (+0.0f would not be free: it turns -0 into +0)
-        v0 = activation<ACT>(v0), v1 = activation<ACT>(v1);
-        if (RESIDUAL && row0 + r < M && col < N) {
-            const float2 add =
-                bf16x2_to_float2(__ldg(reinterpret_cast<const unsigned int*>(residual + size_t(row0 + r) * N + col)));
-            v0 += add.x, v1 += add.y;
-        }
-        return pack_bf16x2(v0, v1);
+        return epilogue_pair<BIAS, ACT, RESIDUAL>(d[4 * i + 2 * half], d[4 * i + 2 * half + 1], b, i, half, row0,
+                                                  col0, M, N, residual);
     };
-    // Two 8-column groups a step: matrices (group j, rows 0-7), (j, rows 8-15), (j + 1, 0-7), (j + 1, 8-15).
-    const int q = lane / 8, r = 16 * warp + lane % 8 + 8 * (q % 2);
 #pragma unroll
     for (int j = 0; j < COLS / 8; j += 2) {
-        const int i = first / 8 + j, jq = j + q / 2;
-        const float2 b0 = bias_of(i);
+        const int i = first / 8 + j;
+        const float2 b0 = bias_pair<BIAS>(i, col0, N, bias);
         const u32 m0 = pair(i, 0, b0), m1 = pair(i, 1, b0);
-        const float2 b1 = bias_of(i + 1);
-        stmatrix_x4(base + (jq / 8) * 64 * 128 + r * 128 + ((jq % 8) ^ (r % 8)) * 16, m0, m1, pair(i + 1, 0, b1),
-                    pair(i + 1, 1, b1));
+        const float2 b1 = bias_pair<BIAS>(i + 1, col0, N, bias);
+        stmatrix_x4(stmatrix_row(tile, j), m0, m1, pair(i + 1, 0, b1), pair(i + 1, 1, b1));
+    }
+}
+// The same in two halves, for an epilogue that overlaps the next tile's k-loop: first the whole
+// accumulator through the fused epilogue into bf16 pairs (pair 2i + h: group i, half h) ...
+template <int TILE_N, int BIAS = 0, int ACT = 0, int RESIDUAL = 0>
+__device__ __forceinline__ void pack_tile(const float (&d)[TILE_N / 2], u32 (&packed)[TILE_N / 4], int row0, int col0,
+                                          int M, int N, const bf16_bits* __restrict__ bias,
+                                          const bf16_bits* __restrict__ residual) {
+#pragma unroll
+    for (int i = 0; i < TILE_N / 8; ++i) {
+        const float2 b = bias_pair<BIAS>(i, col0, N, bias);
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            packed[2 * i + half] = epilogue_pair<BIAS, ACT, RESIDUAL>(d[4 * i + 2 * half], d[4 * i + 2 * half + 1], b,
+                                                                       i, half, row0, col0, M, N, residual);
+    }
+}
+// ... then columns [first, first + COLS) of it into a swizzled slice, whenever there is time.
+template <int TILE_N, int COLS>
+__device__ __forceinline__ void store_packed_swizzled(const u32 (&packed)[TILE_N / 4], bf16_bits* tile, int first) {
+#pragma unroll
+    for (int j = 0; j < COLS / 8; j += 2) {
+        const int i = first / 8 + j;
+        stmatrix_x4(stmatrix_row(tile, j), packed[2 * i], packed[2 * i + 1], packed[2 * i + 2], packed[2 * i + 3]);
     }
 }

@@ -15,9 +15,10 @@ and each residual add inside the LayerNorm that follows it:
 
 then the final layer_norm (adding the last block's pending output) and the tied LM head
 (0.63 of the 1.15 TFLOP) on the bf16 GEMM ladder. fused_linear picks the CUDA rung per
-shape from the H100 tables (benchmarks/notes/2026-11-22-session7): the ping-pong rung 6 for
-the short-K projections (K = 768: 0.99-1.03x cuBLAS) and the LM head, rung 4 for the
-tanh-GELU layer (1.22x eager's linear + GELU). A residual add in a GEMM's epilogue measured
+shape (kforge.ops.matmul.best_kernel, from the H100 tables of benchmarks/notes/2026-11-26-session12):
+rung 4, its epilogue stored under the next tile's k-loop, for the short-K projections (K = 768:
+1.03x cuBLAS at c_attn's shape), rung 5 for the LM head (1.06x), rung 4 with the tanh-GELU in
+its epilogue for c_fc (1.22x eager's linear + GELU, session 7). A residual add in a GEMM's epilogue measured
 slower than the add the next norm makes anyway (0.73-0.83x eager at these K), hence
 `pending`. Eager's tanh-GELU alone is one pass over (8192, 3072) per block; its residual
 adds, the contiguous() copy of SDPA's output and the separate LayerNorm passes add ~0.3 GB

@@ -11,9 +11,9 @@ problems/level3). Seven launches, every elementwise step inside a GEMM's epilogu
     out   = h + f W2^T + b2                       fused/linear.py: bias and residual in the epilogue
 
 fused_linear takes the CUDA GEMM rungs on an H100, the rung per shape from the measured
-tables (benchmarks/notes/2026-11-22-session7): the ping-pong rung 6 for the K = 1024
-projections (0.99-1.02x cuBLAS), rung 4 with GELU in its epilogue for fc1 (1.13x eager's
-linear + GELU) and with the residual for fc2 (K = 4096 hides its reads: 1.00x eager). The
+tables: rung 4 for the K = 1024 projections (1.07-1.08x cuBLAS without the bias,
+benchmarks/notes/2026-11-26-session12), rung 4 with GELU in its epilogue for fc1 (1.13x eager's
+linear + GELU, benchmarks/notes/2026-11-22-session7) and with the residual for fc2 (K = 4096 hides its reads: 1.00x eager). The
 out-projection's residual goes to the norm instead: at K = 1024 an epilogue add measured
 0.95x eager, and the norm reads and writes the rows anyway. Against eager
 (nn.MultiheadAttention's seq-first transposes and copies, a GELU pass over (12608, 4096),
