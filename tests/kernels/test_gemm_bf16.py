@@ -74,6 +74,23 @@ def test_sweep_variants_compile_without_spills_and_fit_shared_memory():
             assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0), (number, defines)
 
 
+def test_norm_a_builds_compile_without_spills_or_serialized_wgmmas():
+    """Rungs 4 and 5 with the RMSNorm on A (what `gemm(norm_weight=...)` compiles): no spills,
+    A from registers into wgmma, and ptxas not serializing the wgmmas (its C7513 note, which
+    a register fragment written while a wgmma group stays in flight brings)."""
+    a, b = torch.empty(256, 512, dtype=torch.bfloat16), torch.empty(512, 384, dtype=torch.bfloat16)
+    for number in (4, 5):
+        step = rung(number)
+        defines = gemm_bf16._epilogue_defines(step, a, b, "kn", None, "none", None, torch.empty(512, dtype=torch.bfloat16))
+        assert defines["NORM_A"] == 1 and step.shared_bytes(step.parameters(defines)) <= 227 * 1024
+        for b_kmajor in (0, 1):
+            cubin = compile_cuda(step.source, arch="sm_90a", defines={**defines, "B_KMAJOR": b_kmajor})
+            used = resources(cubin)["gemm"]
+            assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0), (number, b_kmajor)
+            assert re.search(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, R\d+, gdesc", sass(cubin)), "A from registers"
+            assert "C7513" not in cubin.ptxas_log, "ptxas serialized the wgmmas"
+
+
 @pytest.mark.parametrize("b_kmajor", [0, 1])
 def test_fused_epilogues_compile_without_spills_with_two_mufu_ops_a_value(b_kmajor):
     """Rung 4's bias/activation/residual combinations: no spills at the 168-register cap, and the
@@ -101,6 +118,10 @@ def test_fused_epilogues_compile_without_spills_with_two_mufu_ops_a_value(b_kmaj
     (lambda: gemm(_bf16(4, 16), _bf16(16, 8), 4, bias=torch.ones(8)), "bias must be .*bf16"),
     (lambda: gemm(_bf16(4, 16), _bf16(8, 16), 4, b_layout="nk", bias=_bf16(16)), r"shape \(8,\)"),
     (lambda: gemm(_bf16(4, 16), _bf16(16, 8), 4, residual=_bf16(8, 4)), r"residual must be .* shape \(4, 8\)"),
+    (lambda: gemm(_bf16(4, 16), _bf16(16, 8), 4, norm_weight=_bf16(8)), r"norm_weight must be .* shape \(16,\)"),
+    (lambda: gemm(_bf16(4, 16), _bf16(16, 8), 6, norm_weight=_bf16(16)), "norm_weight needs rung 4 or 5"),
+    (lambda: gemm(_bf16(4, 16), _bf16(16, 8), 4, norm_weight=_bf16(16), norm_eps=-1.0), "norm_eps must be"),
+    (lambda: gemm(_bf16(4, 16), _bf16(16, 8), 4, norm_weight=_bf16(16), activation="silu"), "norm_weight takes no"),
 ])
 def test_bad_epilogue_arguments_are_refused_before_any_kernel_runs(bad, message):
     with pytest.raises(LaunchError, match=message):
@@ -313,6 +334,25 @@ def test_fused_epilogue_matches_float64_on_odd_shapes(number, defines, activatio
                 assert not got.isnan().any()
                 err = ((got.double() - want).abs() / (1 + want.abs())).max().item()
                 assert err < 1e-2, (b_layout, (m, n, k), bias is not None, res is not None, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("number", [4, 5])
+def test_norm_a_is_rmsnorm_of_a_before_the_product(number):
+    """rmsnorm(a; gamma, eps) @ b against float64 (the normed rows rounded to bf16 as the
+    kernel rounds a * gamma); K tails (TMA's zero fill adds no squares), rows past M, several
+    tiles a CTA, twice (each plan's row sums start from zero)."""
+    torch.manual_seed(6)
+    for b_layout in gemm_bf16.B_LAYOUTS:
+        for m, n, k in [(67, 48, 72), (300, 1032, 520), (2000, 2056, 136)]:
+            a, b, _ = _operands(m, n, k, b_layout)
+            a = a * torch.linspace(0.1, 10, m, device="cuda")[:, None].to(torch.bfloat16)  # rows of different rms
+            gamma = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+            r = torch.rsqrt(a.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+            normed = (a.double() * gamma.double()).to(torch.bfloat16).double() * r
+            product = normed @ (b.double() if b_layout == "kn" else b.double().t())
+            for _ in range(2):
+                _assert_close(gemm(a, b, number, b_layout=b_layout, norm_weight=gamma, norm_eps=1e-5), product)
 
 
 @pytest.mark.gpu

@@ -268,6 +268,24 @@ def test_on_the_gpu_matches_float64_at_llama_shapes(model, rows):
 
 
 @pytest.mark.gpu
+def test_bf16_prefill_runs_on_the_gemm_ladder_with_the_norm_as_a_row_scale(monkeypatch):
+    """Over 16 bf16 rows on Hopper: rung 4 with its norm (NORM_A), gamma given or folded into
+    W; tails in M, N and K (TMA's zero fill past K adds no squares), several tiles a CTA."""
+    from kforge.kernels import gemm_bf16
+
+    calls = []
+    real = gemm_bf16.gemm
+    monkeypatch.setattr(gemm_bf16, "gemm", lambda *a, **kw: calls.append(kw.get("norm_weight") is not None)
+                        or real(*a, **kw))
+    for rows, n, k in ((17, 776, 1000), (300, 6144, 4096), (2000, 1032, 520)):
+        x, gamma, w = _inputs(rows, n, k, torch.bfloat16, "cuda")
+        want = expected(x, gamma, w, 1e-5)
+        assert_matches(rms_norm_qkv(x, gamma, w, 1e-5), want, torch.bfloat16)
+        assert_matches(rms_norm_qkv(x, None, fold_norm_weight(gamma, w), 1e-5), want, torch.bfloat16)
+    assert calls == [True] * 6
+
+
+@pytest.mark.gpu
 def test_every_tile_either_autotuner_may_pick_is_correct_on_the_gpu():
     for rows in (1, 2, 4, 13):  # decode: odd sizes, then the unmasked vectorized loop
         for n, k in ((777, 1000), (1536, 2048)):

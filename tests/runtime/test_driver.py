@@ -116,7 +116,16 @@ def test_a_launch_without_a_cluster_has_no_attribute_and_counts_its_arguments(fa
     with pytest.raises(Exception, match="1 arguments expected, got 2"):
         launch(0, 5, 6)
     with pytest.raises(Exception, match="argument kinds"):
-        LeanLaunch(1, (1, 1, 1), (32, 1, 1), 0, None, ("f32",))
+        LeanLaunch(1, (1, 1, 1), (32, 1, 1), 0, None, ("f64",))
+
+
+def test_a_float_argument_is_passed_as_four_bytes_of_float(fake):
+    import ctypes
+
+    launch = LeanLaunch(1, (1, 1, 1), (32, 1, 1), 0, None, ("i32", "f32"))
+    launch(0, 3, 1e-5)
+    value = ctypes.c_float.from_address(launch._params[1])
+    assert value.value == pytest.approx(1e-5, rel=1e-6) and ctypes.sizeof(value) == 4
 
 
 def test_a_descriptor_is_encoded_once_per_address_innermost_dimension_first(fake):

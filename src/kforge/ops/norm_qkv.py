@@ -2,11 +2,11 @@
 projection, y = rmsnorm(x; norm_weight, eps) @ qkv_weight.T, the normed rows never in HBM.
 
 x is (..., K), norm_weight (K,), qkv_weight (N, K) as nn.Linear stores it; y is (..., N)
-in x's dtype. The norm's statistic and every sum are fp32; x * norm_weight is rounded to
-x's dtype before the tensor cores, as eager rounds the normed rows. Up to 16 rows run
-the decode GEMV (one kernel), more the prefill GEMM (one kernel), both computing each
-row's 1/rms themselves. Minimum HBM bytes: x, the weights and y once
-(`rms_norm_qkv_min_bytes`).
+in x's dtype. The norm's statistic and every sum are fp32. Up to 16 rows run the decode
+GEMV (one kernel, x * norm_weight rounded to x's dtype before the products, as eager rounds
+the normed rows). More rows run a prefill GEMM, one kernel that square-sums x and multiplies
+it by norm_weight as it streams it, 1/rms applied per output row at the end: in bf16 on
+Hopper the GEMM ladder's rung 4 (NORM_A), otherwise a Triton GEMM. Minimum HBM bytes: x, the weights and y once (`rms_norm_qkv_min_bytes`).
 
 A `torch.library` custom op (inference only: no autograd formula). The kernels run for
 fp16/bf16/fp32 CUDA tensors on Hopper with contiguous rows (x is made contiguous if it is

@@ -137,12 +137,12 @@ class LeanLaunch:
     """A prepared launch of one kernel: fixed grid, block, shared memory and cluster. Its
     arguments, in order, are described by `kinds`: "map" (the address of a 128-byte TMA
     descriptor, `TensorMaps.address_of`, passed by value to a `__grid_constant__`
-    parameter), "ptr" (a 64-bit address) or "i32" (a 32-bit int)."""
+    parameter), "ptr" (a 64-bit address), "i32" (a 32-bit int) or "f32" (a float)."""
 
     def __init__(self, function: int, grid: Sequence[int], block: Sequence[int], shared_bytes: int,
                  cluster: Sequence[int] | None, kinds: Sequence[str]):
-        if any(kind not in ("map", "ptr", "i32") for kind in kinds):
-            raise KforgeError(f"LeanLaunch: argument kinds are 'map', 'ptr' or 'i32', got {tuple(kinds)}")
+        if any(kind not in ("map", "ptr", "i32", "f32") for kind in kinds):
+            raise KforgeError(f"LeanLaunch: argument kinds are 'map', 'ptr', 'i32' or 'f32', got {tuple(kinds)}")
         self.function = function
         self._launch = libcuda().cuLaunchKernelEx
         self.config = LaunchConfig(*grid, *block, shared_bytes, None, None, 0)
@@ -151,8 +151,8 @@ class LeanLaunch:
             self.config.attrs = ctypes.pointer(self._attribute)
             self.config.numAttrs = 1
         # A map's parameter is its descriptor's own address; a scalar's, the address of its storage here.
-        self._values = [None if kind == "map" else ctypes.c_uint64() if kind == "ptr" else ctypes.c_int32()
-                        for kind in kinds]
+        scalars = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+        self._values = [None if kind == "map" else scalars[kind]() for kind in kinds]
         self._params = (ctypes.c_void_p * len(kinds))(*(0 if v is None else ctypes.addressof(v) for v in self._values))
         self._positions = tuple(enumerate(self._values))
 

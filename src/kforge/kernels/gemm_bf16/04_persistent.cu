@@ -31,6 +31,12 @@
 // a global workspace (only rows inside C), counts itself in on a per-tile counter, and the
 // last to arrive adds the others' partials in split order (the same sum whoever is last),
 // resets the counter for the next launch and stores the tile. No split ever waits.
+// NORM_A 1 computes rmsnorm(A; gamma, eps) B without the normed rows ever existing: each consumer
+// loads its 64 A rows of a k-tile from shared memory into registers (ldmatrix: wgmma's register
+// fragment), multiplies them by gamma there, adds up the squares of x per row, and gives wgmma A
+// from registers; at the tile's end each row's 1/rms scales its accumulator row. The next k-tile's
+// fragments are prepared while this k-tile's wgmmas run, into a second register set
+// (benchmarks/notes/2026-11-26-session12 has the attempts and their figures).
 // A fused epilogue (EPI_BIAS, EPI_ACT, EPI_RESIDUAL) applies a bias, an activation and a
 // residual add to the fp32 accumulator slice by slice, just before it is rounded: what eager
 // PyTorch does in further passes over C costs here ALU time and the residual's read.
@@ -103,6 +109,9 @@
 #ifndef EPI_RESIDUAL
 #define EPI_RESIDUAL 0  // 1: then + residual, a bf16 M x N tensor (a transformer's residual stream)
 #endif
+#ifndef NORM_A
+#define NORM_A 0  // 1: C = rmsnorm(A; gamma, eps) B, A normalized on its way from shared memory to wgmma (above)
+#endif
 
 #ifndef TIMELINE
 #define TIMELINE 0  // 1: a diagnostic build that writes per-CTA clock readings into `partials` (scripts/gemm_timeline.py)
@@ -112,8 +121,8 @@
 #define WG_ROWS 64  // rows a consumer warpgroup owns: 64 (one m64 wgmma a k-step) or 128 (two: 256 x 128 tiles)
 #endif
 #ifndef EPI_OVERLAP  // 1: a tile's results wait as bf16 pairs in registers, stored under the next tile's k-loop
-// (not with a residual or erf-GELU: beside 128 accumulators and 64 held pairs, they spilled)
-#define EPI_OVERLAP (!SPLIT_K && !STREAM_K && WG_ROWS == 64 && !EPI_RESIDUAL && EPI_ACT != 1)
+// (not with a residual, erf-GELU or the norm: beside 128 accumulators and 64 held pairs, they spilled)
+#define EPI_OVERLAP (!SPLIT_K && !STREAM_K && WG_ROWS == 64 && !EPI_RESIDUAL && EPI_ACT != 1 && !NORM_A)
 #endif
 #ifndef EPI_SPREAD
 #define EPI_SPREAD 2  // with EPI_OVERLAP: k-tiles per slice stored (2: a slice under every other k-tile)
@@ -136,6 +145,9 @@ static_assert(EPI_BUFFERS == 1 || EPI_BUFFERS == 2, "one epilogue buffer, or two
 static_assert(B_CHUNKS % CLUSTER_M == 0, "each CTA of a cluster loads an equal share of B");
 static_assert(!STREAM_K || (CLUSTER_M == 1 && !SPLIT_K && WG_ROWS == 64), "stream-K: one CTA a tile, 64-row slabs");
 static_assert(!TIMELINE || (!STREAM_K && !SPLIT_K), "the timeline takes the partials' workspace");
+static_assert(!NORM_A || (!SPLIT_K && !STREAM_K && WG_ROWS == 64 && BN == 256 && BK == 64),
+              "the norm's statistic needs whole rows of K; its A fragments are 64 x 16 slices of 64-wide k-tiles");
+static_assert(!NORM_A || !(EPI_BIAS || EPI_ACT || EPI_RESIDUAL), "the norm with a fused epilogue spilled: not built");
 static_assert(!EPI_OVERLAP || (!STREAM_K && !SPLIT_K && WG_ROWS == 64), "the overlapped epilogue: whole tiles, one slab");
 #define EPI_SLICES (BN / EPI_COLS)
 
@@ -191,7 +203,8 @@ struct Jobs {
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
      const __grid_constant__ TensorMap c_map, int M, int N, int K, int split_count, float4* __restrict__ partials,
-     int* __restrict__ arrivals, const bf16_bits* __restrict__ bias, const bf16_bits* __restrict__ residual) {
+     int* __restrict__ arrivals, const bf16_bits* __restrict__ bias, const bf16_bits* __restrict__ residual,
+     const bf16_bits* __restrict__ norm_gamma, float norm_eps) {
     const int splits = SPLIT_K ? split_count : 1;
     check_launch(NUM_THREADS, SHARED_BYTES);
     extern __shared__ __align__(16) unsigned char smem_raw[];  // aligned to 1024 by hand below
@@ -318,6 +331,11 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
                 }
         };
 #endif
+#if NORM_A
+        u32 frag_even[4][4], frag_odd[4][4];  // A fragments of even and odd k-tiles
+        u32 gamma_even[8], gamma_odd[8];  // and their gamma pairs
+        float2 sumsq = make_float2(0.0f, 0.0f);  // squares of x in this thread's two A rows, this job so far
+#endif
         Jobs jobs(job_tiles, k_tiles, splits);
         for (Job job; jobs.next(job); ++job_number) {
             const bool mark = TIMELINE && threadIdx.x == 128 && job_number < TIMELINE_JOBS;
@@ -325,6 +343,46 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
             tile_coords(job.tile, CEIL_DIV(tiles_m, CLUSTER_M), tiles_n, GROUP_M, cm, tn);
             const int row0 = (cm * CLUSTER_M + rank) * BM, col0 = tn * BN, split = job.split;
             const int kt_begin = job.k0, kt_end = job.k1;
+#if NORM_A
+            // A through registers (wgmma's register operand). The next k-tile's fragments are loaded and
+            // normalized while this k-tile's wgmmas run, into the other of two register sets, after the
+            // wait that retires the wgmmas that read that set. (Written before that wait, or with both
+            // sets allocated to the same registers, ptxas serialized every wgmma: its note C7513.)
+            // gamma pairs at k 16 ks + 2 (lane % 4) (+ 8) of k-tile kt, fetched a k-tile before they are used
+            auto fetch_gamma = [&](int kt, u32 (&g)[8]) {
+#pragma unroll
+                for (int ks = 0; ks < 4; ++ks) {
+                    const int k = kt * BK + 16 * ks + 2 * (lane % 4);
+                    g[2 * ks] = k < K ? __ldg(reinterpret_cast<const unsigned int*>(norm_gamma + k)) : 0u;
+                    g[2 * ks + 1] = k + 8 < K ? __ldg(reinterpret_cast<const unsigned int*>(norm_gamma + k + 8)) : 0u;
+                }
+            };
+            auto prepare = [&](int kt, int s, u32 ph, u32 (&frag)[4][4], const u32 (&g)[8], u32 (&g_next)[8]) {
+                if (kt + 1 < kt_end) fetch_gamma(kt + 1, g_next);
+                mbar_wait(&full[s], ph);
+                load_normed_a(a_tile(s) + (consumer * 64 + 16 * (thread / 32)) * BK, g, frag, sumsq);
+            };
+            auto k_step = [&](int kt, u32 (&frag)[4][4], u32 (&next)[4][4], const u32 (&g)[8], u32 (&g_next)[8]) {
+                wgmma_fence();
+                const u64 b = b_desc0 + stage * STAGE_STEP;
+#pragma unroll
+                for (int ks = 0; ks < 4; ++ks)
+                    wgmma_m64n256k16_rs<!B_KMAJOR>(acc, frag[ks], b + ks * B_KSTEP, kt > kt_begin || ks > 0);
+                wgmma_commit();
+                wgmma_wait<1>();  // the previous k-tile's wgmmas are done: its stage and fragments are free
+                if (kt > kt_begin) release(last_stage);
+                last_stage = stage;
+                if (++stage == STAGES) stage = 0, phase ^= 1;
+                if (kt + 1 < kt_end) prepare(kt + 1, stage, phase, next, g, g_next);
+            };
+            fetch_gamma(kt_begin, gamma_even);
+            prepare(kt_begin, stage, phase, frag_even, gamma_even, gamma_odd);
+            timeline_mark(&timeline[9 + 4 * job_number], mark);
+            for (int kt = kt_begin; kt < kt_end; kt += 2) {  // (k_step(kt) prepares kt + 1 with the gamma it uses)
+                k_step(kt, frag_even, frag_odd, gamma_odd, gamma_even);
+                if (kt + 1 < kt_end) k_step(kt + 1, frag_odd, frag_even, gamma_even, gamma_odd);
+            }
+#else
             for (int kt = kt_begin; kt < kt_end; ++kt) {
                 mbar_wait(&full[stage], phase);
                 timeline_mark(&timeline[9 + 4 * job_number], mark && kt == kt_begin);
@@ -348,8 +406,18 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
                 last_stage = stage;
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
+#endif
             wgmma_wait<0>();
             timeline_mark(&timeline[10 + 4 * job_number], mark);
+            float2 row_scale = make_float2(1.0f, 1.0f);
+#if NORM_A
+            // A quad's 4 lanes hold a row's k values between them; the sums end up in the lanes whose
+            // accumulator rows they are (rows lane / 4 and + 8 of the warp's 16).
+            for (int mask = 1; mask <= 2; mask *= 2)
+                sumsq.x += __shfl_xor_sync(0xffffffffu, sumsq.x, mask), sumsq.y += __shfl_xor_sync(0xffffffffu, sumsq.y, mask);
+            row_scale = make_float2(rsqrtf(sumsq.x / K + norm_eps), rsqrtf(sumsq.y / K + norm_eps));
+            sumsq = make_float2(0.0f, 0.0f);
+#endif
 #if SPLIT_K
             if (kt_end > kt_begin) release(last_stage);
             else
@@ -448,7 +516,8 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
 #if EPI_OVERLAP
             for (int sl = (kt_end - kt_begin) / EPI_SPREAD; sl < EPI_SLICES; ++sl)  // a K too short to store them all under
                 if (held_row >= 0) store_held(sl);
-            pack_tile<BN, EPI_BIAS, EPI_ACT, EPI_RESIDUAL>(acc, held, row0 + consumer * 64, col0, M, N, bias, residual);
+            pack_tile<BN, EPI_BIAS, EPI_ACT, EPI_RESIDUAL, NORM_A>(acc, held, row0 + consumer * 64, col0, M, N, bias,
+                                                                  residual, row_scale);
             held_row = row0 + consumer * 64, held_col = col0;
 #else
             // Epilogue, slice by slice: fill a buffer from the accumulator, store it.
@@ -456,8 +525,8 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
 #pragma unroll
                 for (int sl = 0; sl < EPI_SLICES; ++sl) {
                     bf16_bits* slice = slice_begin(sl);
-                    store_cols_swizzled<BN, EPI_COLS, EPI_BIAS, EPI_ACT, EPI_RESIDUAL>(d, slice, sl * EPI_COLS, first_row,
-                                                                                     col0, M, N, bias, residual);
+                    store_cols_swizzled<BN, EPI_COLS, EPI_BIAS, EPI_ACT, EPI_RESIDUAL, NORM_A>(
+                        d, slice, sl * EPI_COLS, first_row, col0, M, N, bias, residual, row_scale);
                     slice_end(slice, sl, first_row, col0);
                 }
             };

@@ -94,7 +94,8 @@ __device__ __forceinline__ void store_half(const float (&acc)[BN / 2], bf16_bits
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
      const __grid_constant__ TensorMap c_map, int M, int N, int K, int split_count, float4* __restrict__ partials,
-     int* __restrict__ arrivals, const bf16_bits* __restrict__ bias, const bf16_bits* __restrict__ residual) {
+     int* __restrict__ arrivals, const bf16_bits* __restrict__ bias, const bf16_bits* __restrict__ residual,
+     const bf16_bits* __restrict__ norm_gamma, float norm_eps) {  // (the norm: rung 4 only)
     (void)split_count, (void)partials, (void)arrivals;  // the persistent rungs' signature; no split-K here
     check_launch(NUM_THREADS, SHARED_BYTES);
     extern __shared__ __align__(16) unsigned char smem_raw[];  // aligned to 1024 by hand below

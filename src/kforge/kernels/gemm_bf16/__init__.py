@@ -18,6 +18,8 @@ clips the stores of C.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,7 +188,7 @@ class _Plan:
                 self.maps = (TensorMaps("bfloat16", m, k, 2 * k, (p["BM"], p["BK"]), **promote),
                              TensorMaps("bfloat16", b_rows, b_cols, 2 * b_cols, b_box, **promote))
                 self.maps += (TensorMaps("bfloat16", m, n, 2 * n, (64, 64)),) if step.persistent else ()
-                persistent = ("map", "map", "map", "i32", "i32", "i32", "i32", "ptr", "ptr", "ptr", "ptr")
+                persistent = ("map", "map", "map", "i32", "i32", "i32", "i32", "ptr", "ptr", "ptr", "ptr", "ptr", "f32")
                 kinds = persistent if step.persistent else ("map", "map", "ptr", "i32", "i32", "i32")
             self.launch = kernel.lean(grid, step.threads(p), index, kinds=kinds, shared_bytes=step.shared_bytes(p),
                                       cluster=(cluster, 1, 1) if cluster > 1 else None)
@@ -194,15 +196,17 @@ class _Plan:
         self.tail = (m, n, k, self.splits, partials, arrivals) if step.persistent else (m, n, k)
         self.index = index
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: int = 0, residual: int = 0) -> None:
-        """C = a @ b into c; `bias` and `residual` are addresses (0: none) for a fused-epilogue variant."""
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: int = 0, residual: int = 0,
+                 norm_weight: int = 0, norm_eps: float = 0.0) -> None:
+        """C = a @ b into c; `bias`, `residual`, `norm_weight` are addresses (0: none) for a fused variant."""
         stream = torch._C._cuda_getCurrentRawStream(self.index)
         if not self.maps:
             self.launch(stream, a.data_ptr(), b.data_ptr(), c.data_ptr(), *self.tail)
             return
         a_map, b_map = self.maps[0].address_of(a.data_ptr()), self.maps[1].address_of(b.data_ptr())
         if len(self.maps) == 3:
-            self.launch(stream, a_map, b_map, self.maps[2].address_of(c.data_ptr()), *self.tail, bias, residual)
+            self.launch(stream, a_map, b_map, self.maps[2].address_of(c.data_ptr()), *self.tail, bias, residual,
+                        norm_weight, norm_eps)
         else:
             self.launch(stream, a_map, b_map, c.data_ptr(), *self.tail)
 
@@ -215,43 +219,59 @@ ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
 
 
 def _epilogue_defines(step: Rung, a: torch.Tensor, b: torch.Tensor, b_layout: str, bias: torch.Tensor | None,
-                      activation: str, residual: torch.Tensor | None) -> dict[str, int]:
-    """The compile-time switches of a fused bias/activation/residual, after checking them
-    (the operands themselves are checked by `_check`)."""
+                      activation: str, residual: torch.Tensor | None, norm_weight: torch.Tensor | None = None,
+                      defines: Mapping[str, int] | None = None) -> dict[str, int]:
+    """The compile-time switches of a fused norm/bias/activation/residual, after checking
+    them (the operands themselves are checked by `_check`)."""
     if activation not in ACTIVATIONS:
         raise LaunchError(f"gemm_bf16: activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     if not step.persistent:
         raise LaunchError(f"gemm_bf16: a fused epilogue needs a persistent rung (4, 5, 6), not {step.label}")
+    if norm_weight is not None and (bias is not None or activation != "none" or residual is not None):
+        raise LaunchError("gemm_bf16: norm_weight takes no bias, activation or residual (that build spilled "
+                          "registers)")
+    if norm_weight is not None and (step.number == 6 or any((defines or {}).get(d) for d in ("SPLIT_K", "STREAM_K"))):
+        raise LaunchError(f"gemm_bf16: norm_weight needs rung 4 or 5 without split-K or stream-K (whole rows of K "
+                          f"a CTA), not {step.label} {dict(defines or {})}")
     if isinstance(a, torch.Tensor) and a.dim() == 2 and isinstance(b, torch.Tensor) and b.dim() == 2:
-        m, n = a.shape[0], (b.shape[1] if b_layout == "kn" else b.shape[0])
-        for name, t, shape in (("bias", bias, (n,)), ("residual", residual, (m, n))):
+        m, n, k = a.shape[0], (b.shape[1] if b_layout == "kn" else b.shape[0]), a.shape[1]
+        for name, t, shape, align in (("bias", bias, (n,), 4), ("residual", residual, (m, n), 4),
+                                      ("norm_weight", norm_weight, (k,), 16)):
             if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16
                                   or tuple(t.shape) != shape or not t.is_contiguous() or t.device != a.device
-                                  or t.data_ptr() % 4):
+                                  or t.data_ptr() % align):
                 got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else t
-                raise LaunchError(f"gemm_bf16: {name} must be a contiguous, 4-byte aligned bf16 tensor of shape "
+                raise LaunchError(f"gemm_bf16: {name} must be a contiguous, {align}-byte aligned bf16 tensor of shape "
                                   f"{shape} on {a.device}, got {got}")
-    return {"EPI_BIAS": int(bias is not None), "EPI_ACT": ACTIVATIONS[activation],
-            "EPI_RESIDUAL": int(residual is not None)}
+    switches = {"EPI_BIAS": int(bias is not None), "EPI_ACT": ACTIVATIONS[activation],
+                "EPI_RESIDUAL": int(residual is not None), "NORM_A": int(norm_weight is not None)}
+    return switches
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layout: str = "kn",
          defines: Mapping[str, int] | None = None, split_k: int | None = None, bias: torch.Tensor | None = None,
-         activation: str = "none", residual: torch.Tensor | None = None) -> torch.Tensor:
+         activation: str = "none", residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+         norm_eps: float = 1e-6) -> torch.Tensor:
     """C = act(a @ b + bias) + residual (b_layout "kn"; a @ b.T for "nk") with one rung's
-    kernel, bf16 in and out.
+    kernel, bf16 in and out; with `norm_weight`, rmsnorm(a; norm_weight, norm_eps) in a's place.
 
     `split_k` (persistent rungs 4 and 5): how many K ranges each tile is cut into; default
     `auto_splits`'s choice. Plans hold a split-K workspace: one stream at a time per thread.
-    `bias` (bf16, N), `activation` (one of ACTIVATIONS) and `residual` (bf16, M x N) run in
-    the persistent rungs' epilogue on the fp32 accumulator, rounded once."""
+    `bias` (bf16, N), `activation` (one of ACTIVATIONS) and `residual` (bf16, M x N) run in the
+    persistent rungs' epilogue on the fp32 accumulator, rounded once. `norm_weight` (bf16, K;
+    rung 4 or 5, alone): each A tile is multiplied by it in shared memory as it arrives, its
+    squares summed per row, and each output row scaled by 1/sqrt(mean(a_row^2) + norm_eps) in
+    the epilogue: the normed rows never exist."""
     step = step if isinstance(step, Rung) else rung(step)
     if split_k is not None and (not step.persistent or not isinstance(split_k, int) or split_k < 1):
         raise LaunchError(f"gemm_bf16: split_k must be a positive int and the rung persistent (4 or 5), got "
                           f"split_k={split_k!r} for rung {step.label}")
-    fused = bias is not None or activation != "none" or residual is not None
+    fused = bias is not None or activation != "none" or residual is not None or norm_weight is not None
+    if norm_weight is not None and not (isinstance(norm_eps, (int, float)) and math.isfinite(norm_eps) and norm_eps >= 0):
+        raise LaunchError(f"gemm_bf16: norm_eps must be a finite number >= 0, got {norm_eps!r}")
     if fused:
-        defines = {**(defines or {}), **_epilogue_defines(step, a, b, b_layout, bias, activation, residual)}
+        defines = {**(defines or {}),
+                   **_epilogue_defines(step, a, b, b_layout, bias, activation, residual, norm_weight, defines)}
     # The common case in a few attribute reads; anything unusual takes the full check and its message.
     if (not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dtype is not torch.bfloat16
             or b.dtype is not torch.bfloat16 or not a.is_cuda or a.device != b.device
@@ -268,7 +288,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layo
     if k == 0:  # the kernels need one k-tile; the epilogue of an empty sum, here
         c.zero_()
         if fused:
-            c.copy_(epilogue_reference(c.float(), bias, activation, residual))
+            c.copy_(epilogue_reference(c.float(), bias, activation, residual))  # (a normed empty row is empty too)
         return c
     index = a.device.index
     # per thread: a plan's buffers are rewritten on every call
@@ -277,7 +297,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layo
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _Plan(step, b_layout, defines, m, n, k, index, split_k)
-    plan(a, b, c, bias.data_ptr() if bias is not None else 0, residual.data_ptr() if residual is not None else 0)
+    plan(a, b, c, bias.data_ptr() if bias is not None else 0, residual.data_ptr() if residual is not None else 0,
+         norm_weight.data_ptr() if norm_weight is not None else 0, float(norm_eps))
     return c
 
 

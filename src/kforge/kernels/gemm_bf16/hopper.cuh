@@ -302,8 +302,8 @@ __device__ __forceinline__ float activation(float x) {
 // hand-aligned buffer, ptxas's ST.E, took 4x the instructions; at 4096^3 stmatrix cut the
 // epilogue from ~2.3K to ~1.9K cycles a tile: benchmarks/notes/2026-11-26-session12.)
 // `first` must be a compile-time constant after unrolling (it indexes
-// registers). On the way, the fused epilogue: act(value + bias[column]) + residual[row,
-// column] in fp32 (BIAS, ACT, RESIDUAL; row0 and col0 are the 64-row slab's first row and
+// registers). On the way, the fused epilogue: act(scale[row] value + bias[column]) +
+// residual[row, column] in fp32 (ROW_SCALE, BIAS, ACT, RESIDUAL; row0 and col0 are the 64-row slab's first row and
 // column, register 4i + 2h + e holds row 16 warp + lane / 4 + 8h and column
 // 8i + 2 (lane % 4) + e), computed pair by pair into temporaries just before the rounding,
 // so the accumulators stay as they are and the activation's temporaries stay few (writing
@@ -351,14 +351,19 @@ __device__ __forceinline__ char* stmatrix_row(bf16_bits* tile, int j) {
     const int q = lane / 8, r = 16 * warp + lane % 8 + 8 * (q % 2), jq = j + q / 2;
     return reinterpret_cast<char*>(tile) + (jq / 8) * 64 * 128 + r * 128 + ((jq % 8) ^ (r % 8)) * 16;
 }
-template <int TILE_N, int COLS, int BIAS = 0, int ACT = 0, int RESIDUAL = 0>
+// ROW_SCALE: each accumulator row first times its factor, scale.x for this thread's row
+// 16 warp + lane / 4, scale.y for the row 8 below (rung 4's RMSNorm, NORM_A).
+template <int TILE_N, int COLS, int BIAS = 0, int ACT = 0, int RESIDUAL = 0, int ROW_SCALE = 0>
 __device__ __forceinline__ void store_cols_swizzled(const float (&d)[TILE_N / 2], bf16_bits* tile, int first,
                                                     int row0 = 0, int col0 = 0, int M = 0, int N = 0,
                                                     const bf16_bits* __restrict__ bias = nullptr,
-                                                    const bf16_bits* __restrict__ residual = nullptr) {
+                                                    const bf16_bits* __restrict__ residual = nullptr,
+                                                    float2 scale = make_float2(1.0f, 1.0f)) {
     auto pair = [&](int i, int half, float2 b) {
-        return epilogue_pair<BIAS, ACT, RESIDUAL>(d[4 * i + 2 * half], d[4 * i + 2 * half + 1], b, i, half, row0,
-                                                  col0, M, N, residual);
+        const float s = half ? scale.y : scale.x;
+        return epilogue_pair<BIAS, ACT, RESIDUAL>(ROW_SCALE ? d[4 * i + 2 * half] * s : d[4 * i + 2 * half],
+                                                  ROW_SCALE ? d[4 * i + 2 * half + 1] * s : d[4 * i + 2 * half + 1],
+                                                  b, i, half, row0, col0, M, N, residual);
     };
 #pragma unroll
     for (int j = 0; j < COLS / 8; j += 2) {
@@ -371,17 +376,21 @@ __device__ __forceinline__ void store_cols_swizzled(const float (&d)[TILE_N / 2]
 }
 // The same in two halves, for an epilogue that overlaps the next tile's k-loop: first the whole
 // accumulator through the fused epilogue into bf16 pairs (pair 2i + h: group i, half h) ...
-template <int TILE_N, int BIAS = 0, int ACT = 0, int RESIDUAL = 0>
+template <int TILE_N, int BIAS = 0, int ACT = 0, int RESIDUAL = 0, int ROW_SCALE = 0>
 __device__ __forceinline__ void pack_tile(const float (&d)[TILE_N / 2], u32 (&packed)[TILE_N / 4], int row0, int col0,
                                           int M, int N, const bf16_bits* __restrict__ bias,
-                                          const bf16_bits* __restrict__ residual) {
+                                          const bf16_bits* __restrict__ residual, float2 scale) {
 #pragma unroll
     for (int i = 0; i < TILE_N / 8; ++i) {
         const float2 b = bias_pair<BIAS>(i, col0, N, bias);
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-            packed[2 * i + half] = epilogue_pair<BIAS, ACT, RESIDUAL>(d[4 * i + 2 * half], d[4 * i + 2 * half + 1], b,
-                                                                       i, half, row0, col0, M, N, residual);
+        for (int half = 0; half < 2; ++half) {
+            const float s = half ? scale.y : scale.x;
+            packed[2 * i + half] = epilogue_pair<BIAS, ACT, RESIDUAL>(
+                ROW_SCALE ? d[4 * i + 2 * half] * s : d[4 * i + 2 * half],
+                ROW_SCALE ? d[4 * i + 2 * half + 1] * s : d[4 * i + 2 * half + 1], b, i, half, row0, col0, M, N,
+                residual);
+        }
     }
 }
 // ... then columns [first, first + COLS) of it into a swizzled slice, whenever there is time.
@@ -391,5 +400,84 @@ __device__ __forceinline__ void store_packed_swizzled(const u32 (&packed)[TILE_N
     for (int j = 0; j < COLS / 8; j += 2) {
         const int i = first / 8 + j;
         stmatrix_x4(stmatrix_row(tile, j), packed[2 * i], packed[2 * i + 1], packed[2 * i + 2], packed[2 * i + 3]);
+    }
+}
+
+// ---- RMSNorm on the A operand (rung 4's NORM_A): A through registers ----
+
+// Four 8 x 8 bf16 matrices from shared memory; lane l gives the 16-byte row address of row l % 8
+// of matrix l / 8 and gets back, in register q, matrix q's pair at row l / 4, columns 2 (l % 4)
+// + {0, 1}: with matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15,
+// k 8-15) of a warp's 16 rows, exactly wgmma's register A fragment for a k16 slice.
+__device__ __forceinline__ void ldmatrix_x4(const void* row, u32 (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(row)));
+}
+__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {  // each half a * b rounded to nearest even
+    u32 d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+// D(64 x 256, fp32) (+)= A(64 x 16, registers: this warp's 16 rows as `a`) * B(16 x 256, smem).
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const u32 (&a)[4], u64 b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate), "n"(TRANS_B));
+}
+// Keeps registers live up to this point: the compiler sees a wgmma read its A registers when it
+// is issued, not while it runs, and would otherwise reuse them for the next k-tile's fragments
+// (and ptxas then serializes every wgmma).
+__device__ __forceinline__ void keep_live(u32 (&frag)[4][4]) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+        asm volatile("" : "+r"(frag[ks][0]), "+r"(frag[ks][1]), "+r"(frag[ks][2]), "+r"(frag[ks][3])::"memory");
+}
+// One k-tile (64 k) of this warp's 16 A rows from a swizzled K-major tile (`rows`: the warp's
+// first row), normalized on the way to the tensor cores: frag[ks] = bf16(x * gamma) for k16
+// slice ks (gamma pairs: g[2 ks] at k 16 ks + 2 (lane % 4), g[2 ks + 1] 8 further), and the
+// squares of x added to sumsq (.x: row lane / 4, .y: row lane / 4 + 8; a quad's 4 lanes split
+// each row's k values between them).
+__device__ __forceinline__ void load_normed_a(const bf16_bits* rows, const u32 (&g)[8], u32 (&frag)[4][4],
+                                              float2& sumsq) {
+    const int lane = threadIdx.x % 32, row = lane % 8 + 8 * ((lane / 8) % 2);
+    const char* base = reinterpret_cast<const char*>(rows) + row * 128;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        ldmatrix_x4(base + (((2 * ks + lane / 16) ^ (row % 8)) * 16), frag[ks]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const float2 x = bf16x2_to_float2(frag[ks][q]);
+            float& sum = q % 2 ? sumsq.y : sumsq.x;
+            sum = fmaf(x.x, x.x, fmaf(x.y, x.y, sum));
+            frag[ks][q] = mul_bf16x2(frag[ks][q], g[2 * ks + q / 2]);
+        }
     }
 }

@@ -27,6 +27,13 @@ Two paths by the number of rows M (tokens):
   `gemm_bf16/triton_matmul.py`, 0.89x cuBLAS at 4096^3), keyed on the power of two
   above M, so a server's varying prompt lengths tune a handful of times, not once per
   length. ptxas (sm_90), 128 x 256 x 64 tiles, 8 warps: 220 registers, no spills.
+- Prefill in bf16 on Hopper (N, K multiples of 8, contiguous): the bf16 GEMM ladder's
+  rung 4 instead (`_prefill_on_ladder`), its NORM_A build: the consumers take x from
+  shared memory into registers with ldmatrix, multiply by gamma there (bf16, as the Triton
+  kernel rounds), add up the squares of x, and give wgmma its A operand from registers; at
+  the tile's end each row's 1/rms scales its fp32 accumulator row before the rounding.
+  The next k-tile's fragments are prepared under this k-tile's wgmmas (figures in
+  benchmarks/notes/2026-11-26-session12).
 
 Why the statistic is computed inside the GEMM rather than by a separate kernel writing r:
 the x tile comes into registers for the gamma multiply anyway, so the squares cost about
@@ -192,9 +199,31 @@ def launch_rms_norm_qkv(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_w
     return y.view(*x.shape[:-1], n)
 
 
+def _ladder_can_run(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weight: torch.Tensor) -> bool:
+    """Whether the bf16 GEMM ladder's rung 4 takes this prefill: bf16 on a Hopper GPU, N and K
+    multiples of 8, contiguous 16-byte aligned operands (TMA; gamma read 16 bytes at a time)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) == (9, 0)
+            and x.shape[1] % 8 == 0 and qkv_weight.shape[0] % 8 == 0 and x.is_contiguous()
+            and qkv_weight.is_contiguous() and (x.data_ptr() | qkv_weight.data_ptr()) % 16 == 0
+            and (norm_weight is None or (norm_weight.dtype == torch.bfloat16 and norm_weight.data_ptr() % 16 == 0)))
+
+
+def _prefill_on_ladder(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """Rung 4 of the bf16 GEMM ladder with its RMSNorm (NORM_A): each x tile multiplied by
+    gamma in shared memory as it lands, its squares summed, 1/rms applied per output row in
+    the epilogue."""
+    from kforge.kernels import gemm_bf16
+
+    gamma = norm_weight if norm_weight is not None else torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
+    return gemm_bf16.gemm(x, qkv_weight, 4, b_layout="nk", norm_weight=gamma.contiguous(), norm_eps=eps)
+
+
 def _prefill(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weight: torch.Tensor, eps: float,
              config: dict | None) -> torch.Tensor:
     (m, k), n = x.shape, qkv_weight.shape[0]
+    if config is None and n and _ladder_can_run(x, norm_weight, qkv_weight):
+        return _prefill_on_ladder(x, norm_weight, qkv_weight, eps)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return y
