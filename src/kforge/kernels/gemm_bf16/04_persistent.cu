@@ -348,8 +348,7 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
             // normalized while this k-tile's wgmmas run, into the other of two register sets, after the
             // wait that retires the wgmmas that read that set. (Written before that wait, or with both
             // sets allocated to the same registers, ptxas serialized every wgmma: its note C7513.)
-            // gamma pairs at k 16 ks + 2 (lane % 4) (+ 8) of k-tile kt, fetched a k-tile before they are used
-            auto fetch_gamma = [&](int kt, u32 (&g)[8]) {
+            auto fetch_gamma = [&](int kt, u32 (&g)[8]) {  // gamma at k 16 ks + 2 (lane % 4) (+ 8), a k-tile early
 #pragma unroll
                 for (int ks = 0; ks < 4; ++ks) {
                     const int k = kt * BK + 16 * ks + 2 * (lane % 4);
