@@ -307,9 +307,9 @@ __device__ __forceinline__ float activation(float x) {
 // every matrix covers all 32 banks once. (4-byte stores through the generic address of the
 // hand-aligned buffer, ptxas's ST.E, took 4x the instructions; at 4096^3 stmatrix cut the
 // epilogue from ~2.3K to ~1.9K cycles a tile: benchmarks/notes/2026-11-26-session12.)
-// `first` must be a compile-time constant after unrolling (it indexes
-// registers). On the way, the fused epilogue: act(scale[row] value + bias[column]) +
-// residual[row, column] in fp32 (ROW_SCALE, BIAS, ACT, RESIDUAL; row0 and col0 are the 64-row slab's first row and
+// `first` must be a compile-time constant after unrolling (it indexes registers). On the
+// way, the fused epilogue: act(scale[row] value + bias[column]) + residual[row, column] in
+// fp32 (ROW_SCALE, BIAS, ACT, RESIDUAL; row0 and col0 are the 64-row slab's first row and
 // column, register 4i + 2h + e holds row 16 warp + lane / 4 + 8h and column
 // 8i + 2 (lane % 4) + e), computed pair by pair into temporaries just before the rounding,
 // so the accumulators stay as they are and the activation's temporaries stay few (writing
