@@ -317,8 +317,8 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
             }
         };
 #if EPI_OVERLAP
-        // The previous tile's results as bf16 pairs (pack_tile), stored one slice per k-tile under this
-        // tile's first k-tiles, while the tensor cores work through the wgmmas just issued.
+        // The previous tile's results as bf16 pairs (pack_tile), stored a slice every EPI_SPREAD k-tiles
+        // under this tile's k-loop, while the tensor cores work through the wgmmas just issued.
         u32 held[BN / 4];
         int held_row = -1, held_col = 0;  // held_row < 0: nothing held
         auto store_held = [&](int sl) {  // slice `sl` (a run-time value) of the held tile

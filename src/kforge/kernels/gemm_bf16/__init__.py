@@ -243,9 +243,8 @@ def _epilogue_defines(step: Rung, a: torch.Tensor, b: torch.Tensor, b_layout: st
                 got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else t
                 raise LaunchError(f"gemm_bf16: {name} must be a contiguous, {align}-byte aligned bf16 tensor of shape "
                                   f"{shape} on {a.device}, got {got}")
-    switches = {"EPI_BIAS": int(bias is not None), "EPI_ACT": ACTIVATIONS[activation],
-                "EPI_RESIDUAL": int(residual is not None), "NORM_A": int(norm_weight is not None)}
-    return switches
+    return {"EPI_BIAS": int(bias is not None), "EPI_ACT": ACTIVATIONS[activation],
+            "EPI_RESIDUAL": int(residual is not None), "NORM_A": int(norm_weight is not None)}
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layout: str = "kn",
@@ -259,9 +258,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layo
     `auto_splits`'s choice. Plans hold a split-K workspace: one stream at a time per thread.
     `bias` (bf16, N), `activation` (one of ACTIVATIONS) and `residual` (bf16, M x N) run in the
     persistent rungs' epilogue on the fp32 accumulator, rounded once. `norm_weight` (bf16, K;
-    rung 4 or 5, alone): each A tile is multiplied by it in shared memory as it arrives, its
-    squares summed per row, and each output row scaled by 1/sqrt(mean(a_row^2) + norm_eps) in
-    the epilogue: the normed rows never exist."""
+    rung 4 or 5, alone): each A tile is multiplied by it in registers on its way from shared
+    memory to wgmma, its squares summed per row, and each output row scaled by
+    1/sqrt(mean(a_row^2) + norm_eps) in the epilogue: the normed rows never exist."""
     step = step if isinstance(step, Rung) else rung(step)
     if split_k is not None and (not step.persistent or not isinstance(split_k, int) or split_k < 1):
         raise LaunchError(f"gemm_bf16: split_k must be a positive int and the rung persistent (4 or 5), got "
@@ -288,7 +287,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, step: Rung | int | str = 5, *, b_layo
     if k == 0:  # the kernels need one k-tile; the epilogue of an empty sum, here
         c.zero_()
         if fused:
-            c.copy_(epilogue_reference(c.float(), bias, activation, residual))  # (a normed empty row is empty too)
+            c.copy_(epilogue_reference(c.float(), bias, activation, residual))  # (norm_weight too: a sum over K = 0 is 0)
         return c
     index = a.device.index
     # per thread: a plan's buffers are rewritten on every call

@@ -436,14 +436,6 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const u32 (
         : WGMMA_D128_OPERANDS(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate), "n"(TRANS_B));
 }
-// Keeps registers live up to this point: the compiler sees a wgmma read its A registers when it
-// is issued, not while it runs, and would otherwise reuse them for the next k-tile's fragments
-// (and ptxas then serializes every wgmma).
-__device__ __forceinline__ void keep_live(u32 (&frag)[4][4]) {
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-        asm volatile("" : "+r"(frag[ks][0]), "+r"(frag[ks][1]), "+r"(frag[ks][2]), "+r"(frag[ks][3])::"memory");
-}
 // One k-tile (64 k) of this warp's 16 A rows from a swizzled K-major tile (`rows`: the warp's
 // first row), normalized on the way to the tensor cores: frag[ks] = bf16(x * gamma) for k16
 // slice ks (gamma pairs: g[2 ks] at k 16 ks + 2 (lane % 4), g[2 ks + 1] 8 further), and the

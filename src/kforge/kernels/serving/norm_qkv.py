@@ -201,7 +201,7 @@ def launch_rms_norm_qkv(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_w
 
 def _ladder_can_run(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weight: torch.Tensor) -> bool:
     """Whether the bf16 GEMM ladder's rung 4 takes this prefill: bf16 on a Hopper GPU, N and K
-    multiples of 8, contiguous 16-byte aligned operands (TMA; gamma read 16 bytes at a time)."""
+    multiples of 8, contiguous 16-byte aligned operands (TMA), a bf16 gamma aligned the same."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) == (9, 0)
             and x.shape[1] % 8 == 0 and qkv_weight.shape[0] % 8 == 0 and x.is_contiguous()
             and qkv_weight.is_contiguous() and (x.data_ptr() | qkv_weight.data_ptr()) % 16 == 0
@@ -210,13 +210,13 @@ def _ladder_can_run(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weigh
 
 def _prefill_on_ladder(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weight: torch.Tensor,
                        eps: float) -> torch.Tensor:
-    """Rung 4 of the bf16 GEMM ladder with its RMSNorm (NORM_A): each x tile multiplied by
-    gamma in shared memory as it lands, its squares summed, 1/rms applied per output row in
-    the epilogue."""
+    """Rung 4 of the bf16 GEMM ladder with its RMSNorm (NORM_A): x multiplied by gamma in
+    registers on its way to wgmma, its squares summed, 1/rms applied per output row in the
+    epilogue."""
     from kforge.kernels import gemm_bf16
 
     gamma = norm_weight if norm_weight is not None else torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
-    return gemm_bf16.gemm(x, qkv_weight, 4, b_layout="nk", norm_weight=gamma.contiguous(), norm_eps=eps)
+    return gemm_bf16.gemm(x, qkv_weight, 4, b_layout="nk", norm_weight=gamma, norm_eps=eps)
 
 
 def _prefill(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weight: torch.Tensor, eps: float,
