@@ -35,8 +35,14 @@
 // loads its 64 A rows of a k-tile from shared memory into registers (ldmatrix: wgmma's register
 // fragment), multiplies them by gamma there, adds up the squares of x per row, and gives wgmma A
 // from registers; at the tile's end each row's 1/rms scales its accumulator row. The next k-tile's
-// fragments are prepared while this k-tile's wgmmas run, into a second register set
-// (benchmarks/notes/2026-11-26-session12 has the attempts and their figures).
+// fragments are prepared while this k-tile's wgmmas run, into a second register set. Each stage
+// brings its k-tile of gamma beside A and B (a 128-byte bulk copy on the same barrier), and the
+// squares are added after the k-tile's wgmmas are issued. Measured at M = 4096, N = 6144, K = 4096
+// (scripts/norm_qkv_variants.py, 2026-11-26): gamma read from global memory by every consumer in
+// the k-loop cost 318 -> 293 us against gamma from the stage; the squares before the wgmmas 299
+// against 290 after them; rung 4 without the norm 265 (notes: benchmarks/notes/2026-11-26-session12
+// and -session13, with the designs that lost: A rewritten in shared memory by the consumers, by
+// producer warps or by a warpgroup of its own; the squares on mma.sync).
 // A fused epilogue (EPI_BIAS, EPI_ACT, EPI_RESIDUAL) applies a bias, an activation and a
 // residual add to the fp32 accumulator slice by slice, just before it is rounded: what eager
 // PyTorch does in further passes over C costs here ALU time and the residual's read.
@@ -133,7 +139,8 @@
 #define B_TILE (BN * BK)
 #define C_TILE (64 * EPI_COLS * EPI_BUFFERS)  // one consumer's epilogue buffers: slices of its 64 x BN share
 #define STAGE_BYTES ((A_TILE + B_TILE) * 2)
-#define SHARED_BYTES (STAGES * STAGE_BYTES + CONSUMERS * C_TILE * 2 + 1024 + 2 * STAGES * 8)
+#define GAMMA_BYTES (NORM_A ? STAGES * BK * 2 : 0)  // NORM_A: each stage's k-tile of gamma beside its A and B
+#define SHARED_BYTES (STAGES * STAGE_BYTES + CONSUMERS * C_TILE * 2 + 1024 + 2 * STAGES * 8 + GAMMA_BYTES)
 #define B_CHUNKS (BN / 64)  // 64-column boxes of an N-major B tile
 static_assert(BK == 64, "the swizzle atom is one 64-value row");
 static_assert(SHARED_BYTES <= 227 * 1024, "fits one block's shared memory");
@@ -218,6 +225,7 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
     bf16_bits* c_tiles = tiles + STAGES * (A_TILE + B_TILE);
     u64* full = reinterpret_cast<u64*>(c_tiles + CONSUMERS * C_TILE);
     u64* empty = full + STAGES;
+    bf16_bits* gamma_ring = reinterpret_cast<bf16_bits*>(empty + STAGES);  // NORM_A: BK values a stage
     auto a_tile = [&](int s) { return tiles + s * (A_TILE + B_TILE); };
     auto b_tile = [&](int s) { return tiles + s * (A_TILE + B_TILE) + A_TILE; };
 
@@ -239,6 +247,10 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
         }
         fence_barrier_init();
     }
+    if (NORM_A) {  // a k-tile past K fills only part of its gamma slot: the rest must not be NaN (x there is 0)
+        for (int i = threadIdx.x; i < STAGES * BK; i += NUM_THREADS) gamma_ring[i] = 0;
+        fence_proxy_async();  // before the copy engine writes the same bytes
+    }
     if (CLUSTER_M > 1) cluster_sync();  // no CTA may signal a peer's barriers before they exist
     else __syncthreads();
 
@@ -255,8 +267,11 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
                     const int s = it % STAGES;
                     mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
                     timeline_mark(&timeline[8 + 4 * job_number], kt == job.k0 && job_number < TIMELINE_JOBS);
-                    mbar_arrive_expect_tx(&full[s], STAGE_BYTES);  // all of B arrives, our share and the peers'
+                    // all of B arrives, our share and the peers'; with NORM_A also this k-tile's gamma (inside K)
+                    const u32 gamma_bytes = NORM_A ? min(BK, K - kt * BK) * 2 : 0;
+                    mbar_arrive_expect_tx(&full[s], STAGE_BYTES + gamma_bytes);
                     tma_load_2d(a_tile(s), a_map, &full[s], kt * BK, row0);
+                    if (NORM_A) bulk_load_1d(gamma_ring + s * BK, norm_gamma + kt * BK, gamma_bytes, &full[s]);
                     if (CLUSTER_M == 1) {
                         if (B_KMAJOR) tma_load_2d(b_tile(s), b_map, &full[s], kt * BK, col0);
                         else
@@ -333,8 +348,8 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
 #endif
 #if NORM_A
         u32 frag_even[4][4], frag_odd[4][4];  // A fragments of even and odd k-tiles
-        u32 gamma_even[8], gamma_odd[8];  // and their gamma pairs
-        float2 sumsq = make_float2(0.0f, 0.0f);  // squares of x in this thread's two A rows, this job so far
+        u32 x[4][4];  // the k-tile being prepared, as loaded
+        float4 sumsq = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // squares of x in this thread's two A rows (x + z, y + w)
 #endif
         Jobs jobs(job_tiles, k_tiles, splits);
         for (Job job; jobs.next(job); ++job_number) {
@@ -348,38 +363,40 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
             // normalized while this k-tile's wgmmas run, into the other of two register sets, after the
             // wait that retires the wgmmas that read that set. (Written before that wait, or with both
             // sets allocated to the same registers, ptxas serialized every wgmma: its note C7513.)
-            auto fetch_gamma = [&](int kt, u32 (&g)[8]) {  // gamma at k 16 ks + 2 (lane % 4) (+ 8), a k-tile early
+            // gamma comes from the stage's slot, not global memory: no load in flight at the wgmma fence.
+            auto prepare = [&](int s, u32 ph, u32 (&frag)[4][4]) {
+                mbar_wait(&full[s], ph);
+                u32 g[8];  // gamma pairs at k 16 ks + 2 (lane % 4) and 8 further, from the stage's gamma slot
 #pragma unroll
                 for (int ks = 0; ks < 4; ++ks) {
-                    const int k = kt * BK + 16 * ks + 2 * (lane % 4);
-                    g[2 * ks] = k < K ? __ldg(reinterpret_cast<const unsigned int*>(norm_gamma + k)) : 0u;
-                    g[2 * ks + 1] = k + 8 < K ? __ldg(reinterpret_cast<const unsigned int*>(norm_gamma + k + 8)) : 0u;
+                    const u32* slot = reinterpret_cast<const u32*>(gamma_ring + s * BK + 16 * ks + 2 * (lane % 4));
+                    g[2 * ks] = slot[0], g[2 * ks + 1] = slot[4];
                 }
+                ldmatrix_a_ktile(a_tile(s) + (consumer * 64 + 16 * (thread / 32)) * BK, x);
+#pragma unroll
+                for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) frag[ks][q] = mul_bf16x2(x[ks][q], g[2 * ks + q / 2]);
             };
-            auto prepare = [&](int kt, int s, u32 ph, u32 (&frag)[4][4], const u32 (&g)[8], u32 (&g_next)[8]) {
-                if (kt + 1 < kt_end) fetch_gamma(kt + 1, g_next);
-                mbar_wait(&full[s], ph);
-                load_normed_a(a_tile(s) + (consumer * 64 + 16 * (thread / 32)) * BK, g, frag, sumsq);
-            };
-            auto k_step = [&](int kt, u32 (&frag)[4][4], u32 (&next)[4][4], const u32 (&g)[8], u32 (&g_next)[8]) {
+            auto k_step = [&](int kt, u32 (&frag)[4][4], u32 (&next)[4][4]) {
                 wgmma_fence();
                 const u64 b = b_desc0 + stage * STAGE_STEP;
 #pragma unroll
                 for (int ks = 0; ks < 4; ++ks)
                     wgmma_m64n256k16_rs<!B_KMAJOR>(acc, frag[ks], b + ks * B_KSTEP, kt > kt_begin || ks > 0);
                 wgmma_commit();
+                add_squares(x, sumsq);  // (after the wgmmas are issued: off the path to the tensor cores)
                 wgmma_wait<1>();  // the previous k-tile's wgmmas are done: its stage and fragments are free
                 if (kt > kt_begin) release(last_stage);
                 last_stage = stage;
                 if (++stage == STAGES) stage = 0, phase ^= 1;
-                if (kt + 1 < kt_end) prepare(kt + 1, stage, phase, next, g, g_next);
+                if (kt + 1 < kt_end) prepare(stage, phase, next);
             };
-            fetch_gamma(kt_begin, gamma_even);
-            prepare(kt_begin, stage, phase, frag_even, gamma_even, gamma_odd);
+            prepare(stage, phase, frag_even);
             timeline_mark(&timeline[9 + 4 * job_number], mark);
-            for (int kt = kt_begin; kt < kt_end; kt += 2) {  // (k_step(kt) prepares kt + 1 with the gamma it uses)
-                k_step(kt, frag_even, frag_odd, gamma_odd, gamma_even);
-                if (kt + 1 < kt_end) k_step(kt + 1, frag_odd, frag_even, gamma_even, gamma_odd);
+            for (int kt = kt_begin; kt < kt_end; kt += 2) {
+                k_step(kt, frag_even, frag_odd);
+                if (kt + 1 < kt_end) k_step(kt + 1, frag_odd, frag_even);
             }
 #else
             for (int kt = kt_begin; kt < kt_end; ++kt) {
@@ -412,10 +429,12 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
 #if NORM_A
             // A quad's 4 lanes hold a row's k values between them; the sums end up in the lanes whose
             // accumulator rows they are (rows lane / 4 and + 8 of the warp's 16).
+            float2 rows_sumsq = make_float2(sumsq.x + sumsq.z, sumsq.y + sumsq.w);
             for (int mask = 1; mask <= 2; mask *= 2)
-                sumsq.x += __shfl_xor_sync(0xffffffffu, sumsq.x, mask), sumsq.y += __shfl_xor_sync(0xffffffffu, sumsq.y, mask);
-            row_scale = make_float2(rsqrtf(sumsq.x / K + norm_eps), rsqrtf(sumsq.y / K + norm_eps));
-            sumsq = make_float2(0.0f, 0.0f);
+                rows_sumsq.x += __shfl_xor_sync(0xffffffffu, rows_sumsq.x, mask),
+                rows_sumsq.y += __shfl_xor_sync(0xffffffffu, rows_sumsq.y, mask);
+            row_scale = make_float2(rsqrtf(rows_sumsq.x / K + norm_eps), rsqrtf(rows_sumsq.y / K + norm_eps));
+            sumsq = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #endif
 #if SPLIT_K
             if (kt_end > kt_begin) release(last_stage);

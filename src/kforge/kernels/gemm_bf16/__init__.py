@@ -46,7 +46,8 @@ def _stage_bytes(p: Mapping[str, int]) -> int:
 
 def _persistent_bytes(p: Mapping[str, int]) -> int:  # the stages, the consumers' epilogue slices, barriers
     epilogue = p["BM"] // p.get("WG_ROWS", 64) * 64 * p["EPI_COLS"] * p.get("EPI_BUFFERS", 1) * 2
-    return p["STAGES"] * _stage_bytes(p) + epilogue + 1024 + 2 * p["STAGES"] * 8
+    gamma = p["STAGES"] * p["BK"] * 2 if p.get("NORM_A") else 0  # GAMMA_BYTES: a k-tile of the norm's gamma a stage
+    return p["STAGES"] * _stage_bytes(p) + epilogue + 1024 + 2 * p["STAGES"] * 8 + gamma
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,13 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap& map, u64
         "l"(reinterpret_cast<u64>(&map)), "r"(smem_u32(bar)), "r"(col), "r"(row)
         : "memory");
 }
+// `bytes` (a multiple of 16) from global to shared memory, counted on `bar` like a tensor box.
+__device__ __forceinline__ void bulk_load_1d(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_u32(dst)),
+                 "l"(reinterpret_cast<u64>(src)), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
 // The same box written to the same shared offset of every CTA in `cta_mask`, each CTA's
 // barrier at `bar`'s offset told of the bytes.
 __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const TensorMap& map, u64* bar, int col, int row,
@@ -436,24 +443,25 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const u32 (
         : WGMMA_D128_OPERANDS(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate), "n"(TRANS_B));
 }
-// One k-tile (64 k) of this warp's 16 A rows from a swizzled K-major tile (`rows`: the warp's
-// first row), normalized on the way to the tensor cores: frag[ks] = bf16(x * gamma) for k16
-// slice ks (gamma pairs: g[2 ks] at k 16 ks + 2 (lane % 4), g[2 ks + 1] 8 further), and the
-// squares of x added to sumsq (.x: row lane / 4, .y: row lane / 4 + 8; a quad's 4 lanes split
-// each row's k values between them).
-__device__ __forceinline__ void load_normed_a(const bf16_bits* rows, const u32 (&g)[8], u32 (&frag)[4][4],
-                                              float2& sumsq) {
+// One k-tile (64 k) of this warp's 16 A rows from a swizzled K-major tile (`rows`: the warp's first
+// row) as wgmma's register fragments: x[ks] holds k16 slice ks, (row lane / 4, k 2 (lane % 4) + {0, 1})
+// in x[ks][0], row + 8 in [1], k + 8 in [2], both in [3] (wgmma's A fragment layout).
+__device__ __forceinline__ void ldmatrix_a_ktile(const bf16_bits* rows, u32 (&x)[4][4]) {
     const int lane = threadIdx.x % 32, row = lane % 8 + 8 * ((lane / 8) % 2);
     const char* base = reinterpret_cast<const char*>(rows) + row * 128;
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-        ldmatrix_x4(base + (((2 * ks + lane / 16) ^ (row % 8)) * 16), frag[ks]);
+    for (int ks = 0; ks < 4; ++ks) ldmatrix_x4(base + (((2 * ks + lane / 16) ^ (row % 8)) * 16), x[ks]);
+}
+// The squares of a k-tile of x (ldmatrix_a_ktile's layout) added to this thread's row sums in fp32:
+// row lane / 4 in .x and .z, lane / 4 + 8 in .y and .w (four chains of FMAs, not two); a quad's 4 lanes
+// split each row's k values between them.
+__device__ __forceinline__ void add_squares(const u32 (&x)[4][4], float4& sums) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-            const float2 x = bf16x2_to_float2(frag[ks][q]);
-            float& sum = q % 2 ? sumsq.y : sumsq.x;
-            sum = fmaf(x.x, x.x, fmaf(x.y, x.y, sum));
-            frag[ks][q] = mul_bf16x2(frag[ks][q], g[2 * ks + q / 2]);
+            const float2 v = bf16x2_to_float2(x[ks][q]);
+            float& sum = q == 0 ? sums.x : q == 1 ? sums.y : q == 2 ? sums.z : sums.w;
+            sum = fmaf(v.x, v.x, fmaf(v.y, v.y, sum));
         }
-    }
 }
