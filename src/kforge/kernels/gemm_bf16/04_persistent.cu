@@ -38,11 +38,12 @@
 // fragments are prepared while this k-tile's wgmmas run, into a second register set. Each stage
 // brings its k-tile of gamma beside A and B (a 128-byte bulk copy on the same barrier), and the
 // squares are added after the k-tile's wgmmas are issued. Measured at M = 4096, N = 6144, K = 4096
-// (scripts/norm_qkv_variants.py, 2026-11-26): gamma read from global memory by every consumer in
-// the k-loop cost 318 -> 293 us against gamma from the stage; the squares before the wgmmas 299
-// against 290 after them; rung 4 without the norm 265 (notes: benchmarks/notes/2026-11-26-session12
-// and -session13, with the designs that lost: A rewritten in shared memory by the consumers, by
-// producer warps or by a warpgroup of its own; the squares on mma.sync).
+// (scripts/norm_qkv_variants.py, 2026-11-26, each step on its own machine): gamma by __ldg in the
+// k-loop 318 us, from the stage 293; squares after the wgmmas 290 (before them 299); gamma read
+// with ld.shared instead of generic loads 277, against the compiled norm + cuBLAS pair's 282 and
+// rung 4 without the norm at 258 (notes: benchmarks/notes/2026-11-26-session12 and -session13,
+// with the designs that lost: A rewritten in shared memory by the consumers, by producer warps or
+// by a warpgroup of its own; the squares on mma.sync; the squares held below the wgmmas by a branch).
 // A fused epilogue (EPI_BIAS, EPI_ACT, EPI_RESIDUAL) applies a bias, an activation and a
 // residual add to the fp32 accumulator slice by slice, just before it is rounded: what eager
 // PyTorch does in further passes over C costs here ALU time and the residual's read.
@@ -369,8 +370,8 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
                 u32 g[8];  // gamma pairs at k 16 ks + 2 (lane % 4) and 8 further, from the stage's gamma slot
 #pragma unroll
                 for (int ks = 0; ks < 4; ++ks) {
-                    const u32* slot = reinterpret_cast<const u32*>(gamma_ring + s * BK + 16 * ks + 2 * (lane % 4));
-                    g[2 * ks] = slot[0], g[2 * ks + 1] = slot[4];
+                    const bf16_bits* slot = gamma_ring + s * BK + 16 * ks + 2 * (lane % 4);
+                    g[2 * ks] = lds_u32(slot), g[2 * ks + 1] = lds_u32(slot + 8);
                 }
                 ldmatrix_a_ktile(a_tile(s) + (consumer * 64 + 16 * (thread / 32)) * BK, x);
 #pragma unroll

@@ -21,6 +21,13 @@ typedef unsigned short bf16_bits;  // a bf16 value as its 16 bits (cuda_bf16.h i
 struct __align__(64) TensorMap { u64 opaque[16]; };
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+// A 4-byte shared-memory load the compiler cannot turn generic (a pointer aligned by integer arithmetic
+// loses its address space, and a generic load waits on the long scoreboard).
+__device__ __forceinline__ u32 lds_u32(const void* p) {
+    u32 v;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(smem_u32(p)));
+    return v;
+}
 
 // The launcher derives block size and shared memory from the same #defines in Python; a
 // mismatch would corrupt memory quietly, so the kernel traps on it instead.

@@ -30,10 +30,11 @@ Two paths by the number of rows M (tokens):
 - Prefill in bf16 on Hopper (N, K multiples of 8, contiguous): the bf16 GEMM ladder's
   rung 4 instead (`_prefill_on_ladder`), its NORM_A build: the consumers take x from
   shared memory into registers with ldmatrix, multiply by gamma there (bf16, as the Triton
-  kernel rounds), add up the squares of x, and give wgmma its A operand from registers; at
-  the tile's end each row's 1/rms scales its fp32 accumulator row before the rounding.
+  kernel rounds; gamma's k-tile arrives in each stage beside x and W), add up the squares
+  of x after the k-tile's wgmmas are issued, and give wgmma its A operand from registers;
+  at the tile's end each row's 1/rms scales its fp32 accumulator row before the rounding.
   The next k-tile's fragments are prepared under this k-tile's wgmmas (figures in
-  benchmarks/notes/2026-11-26-session12).
+  benchmarks/notes/2026-11-26-session12 and -session13: 1.01-1.02x the compiled pair).
 
 Why the statistic is computed inside the GEMM rather than by a separate kernel writing r:
 the x tile comes into registers for the gamma multiply anyway, so the squares cost about
@@ -75,6 +76,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kforge.kernels.serving.gemv import DTYPES, MAX_BATCH, launch_gemv
 
 DECODE_ROWS = MAX_BATCH  # up to this many rows take the GEMV kernel
+PREFILL_DEFINES = {"GROUP_M": 16}  # rung 4's NORM_A build at prefill (see _prefill_on_ladder)
 
 
 @triton.jit
@@ -212,11 +214,12 @@ def _prefill_on_ladder(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_we
                        eps: float) -> torch.Tensor:
     """Rung 4 of the bf16 GEMM ladder with its RMSNorm (NORM_A): x multiplied by gamma in
     registers on its way to wgmma, its squares summed, 1/rms applied per output row in the
-    epilogue."""
+    epilogue. Tiles walked in groups of 16 row tiles (GROUP_M), not rung 4's 8: 0.5-0.9%
+    faster at both Llama-3 QKV shapes in two runs (scripts/norm_qkv_variants.py)."""
     from kforge.kernels import gemm_bf16
 
     gamma = norm_weight if norm_weight is not None else torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
-    return gemm_bf16.gemm(x, qkv_weight, 4, b_layout="nk", norm_weight=gamma, norm_eps=eps)
+    return gemm_bf16.gemm(x, qkv_weight, 4, b_layout="nk", defines=PREFILL_DEFINES, norm_weight=gamma, norm_eps=eps)
 
 
 def _prefill(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weight: torch.Tensor, eps: float,
