@@ -33,6 +33,12 @@
 // registers: 942-1054; a 10-wave grid at this shape). ncu of BN 256 (no cluster): tensor pipe 68% of elapsed cycles,
 // SMs active 93% of them (896 tiles are 6.8 waves); cuBLAS's rowwise kernel, 128 x 128 x 128
 // with 6 stages: tensor pipe 92%.
+// Session 13 (2026-11-26, benchmarks/notes/2026-11-26-session13): the chain's descriptors are now
+// stage 0's plus constants (no descriptor arithmetic between QGMMAs): 1227 TFLOP/s against
+// _scaled_mm rowwise's 1449 in that run, still 0.85x. Not the bottleneck, measured: the scale
+// loads (loading them once a tile instead of every K block: 1164 against 1204, no faster) and
+// the order in which the two consumers issue their chains (taking turns through named
+// barriers: 1145 against 1181 at BN 256, 1015 against 977 at BN 128).
 #include "../gemm_bf16/hopper.cuh"
 
 #ifndef STAGES
@@ -129,6 +135,11 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
         const int sb_rows = CEIL_DIV(N, 128);
         float acc[HALVES][64], partial[64];
         int it = 0;
+        // Stage 0's descriptors at k-slice 0: another stage, k-slice or half only adds a constant to the
+        // start-address field (address / 16), so the chain issues no descriptor arithmetic (rung 4's
+        // lean k-loop, 04_persistent.cu).
+        const u64 a_desc0 = fp8_desc(a_tile(0) + consumer * 64 * BK, 0), b_desc0 = fp8_desc(b_tile(0), 0);
+        constexpr u32 STAGE_STEP = STAGE_BYTES / 16, K_STEP = 32 / 16, HALF_STEP = 128 * BK / 16;
         for (int job = first_job; job < jobs; job += job_stride) {
             int cm, tn;
             tile_coords(job, cluster_rows, tiles_n, GROUP_M, cm, tn);
@@ -165,8 +176,8 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
                     wgmma_fence();
 #pragma unroll
                     for (int ks = 0; ks < BK / 32; ++ks)
-                        wgmma_m64n128k32_e4m3(partial, fp8_desc(a_tile(s) + consumer * 64 * BK, ks),
-                                              fp8_desc(b_tile(s) + h * 128 * BK, ks), ks > 0);
+                        wgmma_m64n128k32_e4m3(partial, a_desc0 + s * STAGE_STEP + ks * K_STEP,
+                                              b_desc0 + s * STAGE_STEP + h * HALF_STEP + ks * K_STEP, ks > 0);
                     wgmma_commit();
                     wgmma_wait<0>();
                     if (h == HALVES - 1 && lane == 0) {  // the stage is read: free it in every CTA it was loaded for
