@@ -1,10 +1,11 @@
 """Device time of RMSNorm fused into the QKV projection at prefill, variant by variant (H100),
 against the unfused pairs it must beat.
 
-    PYTHONPATH=src python scripts/norm_qkv_variants.py [ROUNDS]
+    PYTHONPATH=src python scripts/norm_qkv_variants.py [ROUNDS] [M ...]
 
-y = rmsnorm(x; gamma) @ W^T at the Llama-3 8B and 70B QKV widths, M = 4096 tokens. Timed after
-a reading L2 flush, interleaved, medians of CUDA event times (the kernels alone, no host time):
+y = rmsnorm(x; gamma) @ W^T at the Llama-3 8B and 70B QKV widths, M = 4096 tokens (or the Ms
+given). Timed after a reading L2 flush, interleaved, medians of CUDA event times (the kernels
+alone, no host time):
 - "compiled pair": torch.compile of the problem's eager Model (a fused Triton norm, then cuBLAS);
 - "cuBLAS alone": the GEMM without the norm, the floor a fused kernel works against;
 - rung 4 without the norm (its own floor), and rungs 4 and 5 with the norm fused
@@ -24,7 +25,7 @@ from kforge.problems.level2 import rms_norm_qkv_bf16 as problem
 
 SHAPES = [(4096, 6144, 4096), (4096, 10240, 8192)]  # Llama-3 8B and 70B QKV, 4096 tokens
 FUSED = [("rung 4 NORM_A GROUP_M 16 (rms_norm_qkv)", 4, {"GROUP_M": 16}), ("rung 4 NORM_A GROUP_M 8", 4, {}),
-         ("rung 5 NORM_A GROUP_M 16", 5, {"GROUP_M": 16}), ("rung 5 NORM_A GROUP_M 8", 5, {})]
+         ("rung 5 NORM_A GROUP_M 8", 5, {})]
 
 
 def time_shape(m: int, n: int, k: int, rounds: int) -> None:
@@ -58,6 +59,8 @@ def time_shape(m: int, n: int, k: int, rounds: int) -> None:
 
 if __name__ == "__main__":
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+    tokens = [int(m) for m in sys.argv[2:]]  # other prefill lengths than 4096, at both widths
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    for shape in SHAPES:
-        time_shape(*shape, rounds)
+    for m, n, k in SHAPES:
+        for m in tokens or [m]:
+            time_shape(m, n, k, rounds)
