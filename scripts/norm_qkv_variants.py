@@ -8,9 +8,9 @@ given). Timed after a reading L2 flush, interleaved, medians of CUDA event times
 alone, no host time):
 - "compiled pair": torch.compile of the problem's eager Model (a fused Triton norm, then cuBLAS);
 - "cuBLAS alone": the GEMM without the norm, the floor a fused kernel works against;
-- rung 4 without the norm (its own floor), and rungs 4 and 5 with the norm fused
-  (`gemm_bf16.gemm(norm_weight=)`, their NORM_A build), tiles in groups of 16 or 8 row tiles
-  (GROUP_M: 16 is what `rms_norm_qkv` runs at prefill).
+- rung 4 without the norm (its own floor) on 128 x 256 and 128 x 192 tiles;
+- `rms_norm_qkv` itself, and rung 4 with the norm fused (`gemm_bf16.gemm(norm_weight=)`, its
+  NORM_A build) on the two tile widths it picks between (`norm_qkv.prefill_tile_width`).
 Each fused variant is checked against float64 first; a wrong one is reported and not timed.
 """
 
@@ -21,11 +21,11 @@ import torch
 
 from device_timing import median_ms
 from kforge.kernels import gemm_bf16
+from kforge.kernels.serving import norm_qkv
 from kforge.problems.level2 import rms_norm_qkv_bf16 as problem
 
 SHAPES = [(4096, 6144, 4096), (4096, 10240, 8192)]  # Llama-3 8B and 70B QKV, 4096 tokens
-FUSED = [("rung 4 NORM_A GROUP_M 16 (rms_norm_qkv)", 4, {"GROUP_M": 16}), ("rung 4 NORM_A GROUP_M 8", 4, {}),
-         ("rung 5 NORM_A GROUP_M 8", 5, {})]
+FUSED = [("rung 4 NORM_A 128 x 256 GROUP_M 16", 4, {"GROUP_M": 16}), ("rung 4 NORM_A 128 x 192", 4, {"BN": 192})]
 
 
 def time_shape(m: int, n: int, k: int, rounds: int) -> None:
@@ -36,7 +36,9 @@ def time_shape(m: int, n: int, k: int, rounds: int) -> None:
     want = ((x.double() * gamma.double()).bfloat16().double() * r) @ w.double().t()
     compiled = torch.compile(problem.Model())
     fns = {"compiled pair": lambda: compiled(x, gamma, w), "cuBLAS alone": lambda: torch.nn.functional.linear(x, w),
-           "rung 4 alone": lambda: gemm_bf16.gemm(x, w, 4, b_layout="nk")}
+           "rung 4 alone": lambda: gemm_bf16.gemm(x, w, 4, b_layout="nk"),
+           "rung 4 alone 128 x 192": lambda: gemm_bf16.gemm(x, w, 4, b_layout="nk", defines={"BN": 192}),
+           "rms_norm_qkv (the op: one of the two below)": lambda: norm_qkv.rms_norm_qkv(x, gamma, w, problem.EPS)}
     for name, number, defines in FUSED:
         call = lambda number=number, defines=defines: gemm_bf16.gemm(  # noqa: E731
             x, w, number, b_layout="nk", defines=defines, norm_weight=gamma, norm_eps=problem.EPS)

@@ -80,16 +80,17 @@ def test_norm_a_builds_compile_without_spills_or_serialized_wgmmas():
     a register fragment written while a wgmma group stays in flight brings), and gamma read
     from shared memory only."""
     a, b = torch.empty(256, 512, dtype=torch.bfloat16), torch.empty(512, 384, dtype=torch.bfloat16)
-    for number in (4, 5):
+    for number, width in ((4, 256), (5, 256), (4, 192)):
         step = rung(number)
-        defines = gemm_bf16._epilogue_defines(step, a, b, "kn", None, "none", None, torch.empty(512, dtype=torch.bfloat16))
+        defines = {"BN": width, **gemm_bf16._epilogue_defines(step, a, b, "kn", None, "none", None,
+                                                               torch.empty(512, dtype=torch.bfloat16))}
         assert defines["NORM_A"] == 1 and step.shared_bytes(step.parameters(defines)) <= 227 * 1024
         for b_kmajor in (0, 1):
             cubin = compile_cuda(step.source, arch="sm_90a", defines={**defines, "B_KMAJOR": b_kmajor})
             used = resources(cubin)["gemm"]
-            assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0), (number, b_kmajor)
+            assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0), (number, width, b_kmajor)
             code = sass(cubin)
-            assert re.search(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, R\d+, gdesc", code), "A from registers"
+            assert re.search(rf"HGMMA\.64x{width}x16\.F32\.BF16 R\d+, R\d+, gdesc", code), "A from registers"
             assert "C7513" not in cubin.ptxas_log, "ptxas serialized the wgmmas"
             # gamma arrives with each stage and is read with LDS: a global or generic load in the
             # consumers' loop (session 12's build) cost 8% (benchmarks/notes/2026-11-26-session13)
@@ -342,11 +343,11 @@ def test_fused_epilogue_matches_float64_on_odd_shapes(number, defines, activatio
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("number", [4, 5])
-def test_norm_a_is_rmsnorm_of_a_before_the_product(number):
+@pytest.mark.parametrize("number, width", [(4, 256), (5, 256), (4, 192)])
+def test_norm_a_is_rmsnorm_of_a_before_the_product(number, width):
     """rmsnorm(a; gamma, eps) @ b against float64 (the normed rows rounded to bf16 as the
     kernel rounds a * gamma); K tails (TMA's zero fill adds no squares), rows past M, several
-    tiles a CTA, twice (each plan's row sums start from zero)."""
+    tiles a CTA, twice (each plan's row sums start from zero); 128 x 256 and 128 x 192 tiles."""
     torch.manual_seed(6)
     for b_layout in gemm_bf16.B_LAYOUTS:
         for m, n, k in [(67, 48, 72), (300, 1032, 520), (2000, 2056, 136)]:
@@ -357,7 +358,8 @@ def test_norm_a_is_rmsnorm_of_a_before_the_product(number):
             normed = (a.double() * gamma.double()).to(torch.bfloat16).double() * r
             product = normed @ (b.double() if b_layout == "kn" else b.double().t())
             for _ in range(2):
-                _assert_close(gemm(a, b, number, b_layout=b_layout, norm_weight=gamma, norm_eps=1e-5), product)
+                _assert_close(gemm(a, b, number, b_layout=b_layout, defines={"BN": width}, norm_weight=gamma,
+                                   norm_eps=1e-5), product)
 
 
 @pytest.mark.gpu

@@ -19,7 +19,8 @@ import triton
 
 from kforge.kernels.serving import gemv
 from kforge.kernels.serving.norm_qkv import (CONFIGS, DECODE_ROWS, check_norm_qkv_inputs, fold_norm_weight,
-                                             rms_norm_qkv, rms_norm_qkv_min_bytes, rms_norm_qkv_reference)
+                                             prefill_tile_width, rms_norm_qkv, rms_norm_qkv_min_bytes,
+                                             rms_norm_qkv_reference)
 from kforge.ops.norm_qkv import rms_norm_qkv as rms_norm_qkv_op
 
 GEMV_CUDA_CORE = {"BLOCK_N": 64, "BLOCK_K": 256, "USE_DOT": False}
@@ -267,22 +268,34 @@ def test_on_the_gpu_matches_float64_at_llama_shapes(model, rows):
     assert_matches(rms_norm_qkv(x, None, fold_norm_weight(gamma, w), 1e-5), want, torch.bfloat16)
 
 
+def test_the_prefill_takes_192_wide_tiles_only_where_256_would_leave_many_sms_idle():
+    # Llama-3 QKV widths on 132 SMs (the measured cases in prefill_tile_width's docstring)
+    assert prefill_tile_width(512, 6144, 132) == 192  # 96 tiles of 256 (73% of one wave) against 128 of 192
+    assert prefill_tile_width(1024, 6144, 132) == 192
+    assert prefill_tile_width(512, 10240, 132) == 192
+    assert prefill_tile_width(1024, 10240, 132) == 256  # 81% against 82%: not worth the norm's extra work
+    assert prefill_tile_width(2048, 6144, 132) == 256
+    assert prefill_tile_width(4096, 10240, 132) == 256
+    assert prefill_tile_width(17, 776, 132) == 192  # one row tile: 5 narrower tiles finish before 4 wide ones
+
+
 @pytest.mark.gpu
 def test_bf16_prefill_runs_on_the_gemm_ladder_with_the_norm_as_a_row_scale(monkeypatch):
     """Over 16 bf16 rows on Hopper: rung 4 with its norm (NORM_A), gamma given or folded into
-    W; tails in M, N and K (TMA's zero fill past K adds no squares), several tiles a CTA."""
+    W; tails in M, N and K (TMA's zero fill past K adds no squares), several tiles a CTA; 128 x
+    256 tiles and (at 17 rows, and at 512 on 132 SMs) 128 x 192."""
     from kforge.kernels import gemm_bf16
 
     calls = []
     real = gemm_bf16.gemm
     monkeypatch.setattr(gemm_bf16, "gemm", lambda *a, **kw: calls.append(kw.get("norm_weight") is not None)
                         or real(*a, **kw))
-    for rows, n, k in ((17, 776, 1000), (300, 6144, 4096), (2000, 1032, 520)):
+    for rows, n, k in ((17, 776, 1000), (300, 6144, 4096), (2000, 1032, 520), (512, 6144, 4096)):
         x, gamma, w = _inputs(rows, n, k, torch.bfloat16, "cuda")
         want = expected(x, gamma, w, 1e-5)
         assert_matches(rms_norm_qkv(x, gamma, w, 1e-5), want, torch.bfloat16)
         assert_matches(rms_norm_qkv(x, None, fold_norm_weight(gamma, w), 1e-5), want, torch.bfloat16)
-    assert calls == [True] * 6
+    assert calls == [True] * 8
 
 
 @pytest.mark.gpu

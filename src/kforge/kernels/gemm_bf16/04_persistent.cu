@@ -153,7 +153,7 @@ static_assert(EPI_BUFFERS == 1 || EPI_BUFFERS == 2, "one epilogue buffer, or two
 static_assert(B_CHUNKS % CLUSTER_M == 0, "each CTA of a cluster loads an equal share of B");
 static_assert(!STREAM_K || (CLUSTER_M == 1 && !SPLIT_K && WG_ROWS == 64), "stream-K: one CTA a tile, 64-row slabs");
 static_assert(!TIMELINE || (!STREAM_K && !SPLIT_K), "the timeline takes the partials' workspace");
-static_assert(!NORM_A || (!SPLIT_K && !STREAM_K && WG_ROWS == 64 && BN == 256 && BK == 64),
+static_assert(!NORM_A || (!SPLIT_K && !STREAM_K && WG_ROWS == 64 && (BN == 256 || BN == 192) && BK == 64),
               "the norm's statistic needs whole rows of K; its A fragments are 64 x 16 slices of 64-wide k-tiles");
 static_assert(!NORM_A || !(EPI_BIAS || EPI_ACT || EPI_RESIDUAL), "the norm with a fused epilogue spilled: not built");
 static_assert(!EPI_OVERLAP || (!STREAM_K && !SPLIT_K && WG_ROWS == 64), "the overlapped epilogue: whole tiles, one slab");
@@ -384,7 +384,7 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
                 const u64 b = b_desc0 + stage * STAGE_STEP;
 #pragma unroll
                 for (int ks = 0; ks < 4; ++ks)
-                    wgmma_m64n256k16_rs<!B_KMAJOR>(acc, frag[ks], b + ks * B_KSTEP, kt > kt_begin || ks > 0);
+                    wgmma_m64k16_rs<BN, !B_KMAJOR>(acc, frag[ks], b + ks * B_KSTEP, kt > kt_begin || ks > 0);
                 wgmma_commit();
                 add_squares(x, sumsq);  // (after the wgmmas are issued: off the path to the tensor cores)
                 wgmma_wait<1>();  // the previous k-tile's wgmmas are done: its stage and fragments are free

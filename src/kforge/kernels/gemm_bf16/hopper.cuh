@@ -184,6 +184,27 @@ __device__ __forceinline__ u64 nmajor_desc(const bf16_bits* tile, int kslice) {
     "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),\
     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),\
     "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+// The 96 of a 64 x 192 wgmma, the same way.
+#define WGMMA_D96_REGS \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"\
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"\
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"\
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"\
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"\
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define WGMMA_D96_OPERANDS(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),\
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),\
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),\
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),\
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),\
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),\
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),\
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),\
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),\
+    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),\
+    "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),\
+    "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
 // D(64 x 256, fp32) (+)= A(64 x 16, smem) * B(16 x 256, smem); TRANS_B = 1 when B's tile is N-major.
 template <int TRANS_B>
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], u64 a_desc, u64 b_desc, int accumulate) {
@@ -220,12 +241,25 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], u64 a_desc
         : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 }
 
+// D(64 x 192, fp32) (+)= A(64 x 16, smem) * B(16 x 192, smem); TRANS_B = 1 when B's tile is N-major.
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n192k16(float (&d)[96], u64 a_desc, u64 b_desc, int accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
+        WGMMA_D96_REGS
+        "}, %96, %97, p, 1, 1, 0, %99;\n}\n"
+        : WGMMA_D96_OPERANDS(d)
+        : "l"(a_desc), "l"(b_desc), "r"(accumulate), "n"(TRANS_B));
+}
+
 // The accumulator of one warpgroup's 64 x TILE_N fp32 tile: lane l of warp w holds, for each
 // 8-column group i, rows 16w + l/4 and 16w + l/4 + 8 at columns 8i + 2(l%4) + {0, 1}.
 template <int TILE_N, int TRANS_B>
 __device__ __forceinline__ void wgmma_m64k16(float (&d)[TILE_N / 2], u64 a_desc, u64 b_desc, int accumulate) {
-    static_assert(TILE_N == 128 || TILE_N == 256, "wgmma N of 128 or 256");
+    static_assert(TILE_N == 128 || TILE_N == 192 || TILE_N == 256, "wgmma N of 128, 192 or 256");
     if constexpr (TILE_N == 256) wgmma_m64n256k16<TRANS_B>(d, a_desc, b_desc, accumulate);
+    else if constexpr (TILE_N == 192) wgmma_m64n192k16<TRANS_B>(d, a_desc, b_desc, accumulate);
     else wgmma_m64n128k16<TRANS_B>(d, a_desc, b_desc, accumulate);
 }
 
@@ -434,16 +468,26 @@ __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {  // each half a * b ro
     asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
     return d;
 }
-// D(64 x 256, fp32) (+)= A(64 x 16, registers: this warp's 16 rows as `a`) * B(16 x 256, smem).
-template <int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const u32 (&a)[4], u64 b_desc, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        WGMMA_D128_REGS
-        "}, {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
-        : WGMMA_D128_OPERANDS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate), "n"(TRANS_B));
+// D(64 x TILE_N, fp32) (+)= A(64 x 16, registers: this warp's 16 rows as `a`) * B(16 x TILE_N, smem).
+template <int TILE_N, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[TILE_N / 2], const u32 (&a)[4], u64 b_desc, int accumulate) {
+    static_assert(TILE_N == 192 || TILE_N == 256, "register-A wgmma N of 192 or 256");
+    if constexpr (TILE_N == 256)
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+            WGMMA_D128_REGS
+            "}, {%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
+            : WGMMA_D128_OPERANDS(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate), "n"(TRANS_B));
+    else
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {"
+            WGMMA_D96_REGS
+            "}, {%96, %97, %98, %99}, %100, p, 1, 1, %102;\n}\n"
+            : WGMMA_D96_OPERANDS(d)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate), "n"(TRANS_B));
 }
 // One k-tile (64 k) of this warp's 16 A rows from a swizzled K-major tile (`rows`: the warp's first
 // row) as wgmma's register fragments: x[ks] holds k16 slice ks, (row lane / 4, k 2 (lane % 4) + {0, 1})

@@ -76,6 +76,7 @@ from kforge.kernels.serving.gemv import DTYPES, MAX_BATCH, launch_gemv
 
 DECODE_ROWS = MAX_BATCH  # up to this many rows take the GEMV kernel
 PREFILL_DEFINES = {"GROUP_M": 16}  # rung 4's NORM_A build at prefill (see _prefill_on_ladder)
+PREFILL_NARROW_DEFINES = {"BN": 192}  # ... on 128 x 192 tiles, where 128 x 256 would leave SMs idle
 
 
 @triton.jit
@@ -214,11 +215,30 @@ def _prefill_on_ladder(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_we
     """Rung 4 of the bf16 GEMM ladder with its RMSNorm (NORM_A): x multiplied by gamma in
     registers on its way to wgmma, its squares summed, 1/rms applied per output row in the
     epilogue. Tiles walked in groups of 16 row tiles (GROUP_M), not rung 4's 8: 0.5-0.9%
-    faster at both Llama-3 QKV shapes in two runs (scripts/norm_qkv_variants.py)."""
+    faster at both Llama-3 QKV shapes in two runs (scripts/norm_qkv_variants.py); 128 x 192
+    tiles instead of 128 x 256 where those fill the SMs much better (`prefill_tile_width`)."""
     from kforge.kernels import gemm_bf16
 
     gamma = norm_weight if norm_weight is not None else torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
-    return gemm_bf16.gemm(x, qkv_weight, 4, b_layout="nk", defines=PREFILL_DEFINES, norm_weight=gamma, norm_eps=eps)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    defines = PREFILL_NARROW_DEFINES if prefill_tile_width(x.shape[0], qkv_weight.shape[0], sms) == 192 \
+        else PREFILL_DEFINES
+    return gemm_bf16.gemm(x, qkv_weight, 4, b_layout="nk", defines=defines, norm_weight=gamma, norm_eps=eps)
+
+
+def prefill_tile_width(m: int, n: int, sms: int) -> int:
+    """The NORM_A prefill's tile width, 256 or 192 columns (128 rows either way): 192 when its
+    last wave of tiles leaves at least 15% fewer SMs idle than 256's. A 192-wide tile does
+    the norm's per-k-tile work (ldmatrix, gamma, squares) for 3/4 of the products, so it is
+    slower where both fill the SMs alike. Measured (H100, 2026-11-26, device time, notes in
+    benchmarks/notes/2026-11-26-session13): M = 512 at N = 6144, 96 tiles of 256 on 132 SMs
+    against 128 of 192, 49.1 -> 44.0 us; M = 1024, 95.8 -> 85.4; M = 512 at N = 10240, 179
+    -> 162; M = 1024 at N = 10240 (81% and 82% full) 266 against 311: 256 kept."""
+    def fill(width: int) -> float:
+        tiles = -(-m // 128) * -(-n // width)
+        return tiles / (-(-tiles // sms) * sms)
+
+    return 192 if fill(192) > 1.15 * fill(256) else 256
 
 
 def _prefill(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weight: torch.Tensor, eps: float,
