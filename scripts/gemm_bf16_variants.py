@@ -13,7 +13,9 @@ SET "shortk": rungs 4, 5, 6 and 128 x 128 tiles on the GEMMs of GPT-2 small and 
 (rungs 4, 5) against 256 x 128 (cuBLAS's tile at 4096^3), at squares and an LLM shape. SET "spread": rung 4 (since
 session 12 its epilogue overlaps the next tile's k-loop) against its epilogue after the k-loop
 as before, and against storing a slice every k-tile or every 4 instead of every 2. SET "llm":
-rungs 4 and 5 on the M = 4096 Llama-3 8B and 70B projections of `kforge bench gemm`.
+rungs 4 and 5 on the M = 4096 Llama-3 8B and 70B projections of `kforge bench gemm`. SET
+"narrow": rung 4 on 128 x 256 and 128 x 192 tiles and rung 6 at 512-2048 rows, where 128 x 256
+tiles leave SMs idle (what cuBLAS chooses there: 192 x 128, notes/2026-11-26-session13).
 """
 
 import sys
@@ -40,15 +42,16 @@ TALL = gemm_bf16.TALL_TILE
 TILES = [("rung 5", 5, {}), ("rung 4 256 x 128", 4, TALL), ("rung 5 256 x 128", 5, TALL),
          ("rung 4 256 x 128 GROUP_M 16", 4, dict(TALL, GROUP_M=16))]
 LLM = [("rung 5", 5, {})]
+NARROW = [("rung 6", 6, {}), ("rung 4 split-K auto", 4, SPLIT), ("rung 4 128 x 192", 4, {"BN": 192})]
 SPREAD = [("rung 5", 5, {}), ("rung 4 epilogue after the k-loop", 4, gemm_bf16.EPILOGUE_AFTER_KLOOP),
           ("rung 4 a slice every k-tile", 4, {"EPI_SPREAD": 1}), ("rung 4 a slice every 4 k-tiles", 4, {"EPI_SPREAD": 4})]
 
 
 def variants(m, n, k, which="split"):
-    if which in ("epilogue", "shortk", "tiles", "streamk", "spread", "llm"):
+    if which in ("epilogue", "shortk", "tiles", "streamk", "spread", "llm", "narrow"):
         yield "rung 4", dict(step=4), 0
         for name, number, defines in {"epilogue": EPILOGUE, "shortk": SHORT_K, "tiles": TILES,
-                                      "streamk": STREAM_K, "spread": SPREAD, "llm": LLM}[which]:
+                                      "streamk": STREAM_K, "spread": SPREAD, "llm": LLM, "narrow": NARROW}[which]:
             yield name, dict(step=number, defines=defines), 0
         return
     if m == n == k == 4096:
@@ -109,6 +112,8 @@ SHAPES = {
     "spread": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (8192, 8192, 8192, "kn"), (4096, 14336, 4096, "nk"),
               (2048, 8192, 4096, "nk"), (4096, 4096, 8192, "kn"), (4000, 4104, 4040, "kn"), (8192, 2304, 768, "nk"),
               (2048, 2048, 64, "kn"), (8192, 50304, 768, "nk"), (12608, 1024, 4096, "nk")],
+    "narrow": [(512, 6144, 4096, "nk"), (1024, 6144, 4096, "nk"), (512, 4096, 4096, "nk"), (1024, 4096, 4096, "nk"),
+               (512, 10240, 8192, "nk"), (1024, 14336, 4096, "nk"), (768, 4096, 4096, "nk"), (2048, 2048, 2048, "kn")],
     "tiles": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (8192, 8192, 8192, "kn"), (4096, 14336, 4096, "nk")],
     "epilogue": [(4096, 4096, 4096, "kn"), (4096, 4096, 4096, "nk"), (8192, 8192, 8192, "kn"), (2048, 2048, 2048, "kn"),
                  (4096, 14336, 4096, "nk"), (4096, 4096, 14336, "nk"), (16384, 4096, 4096, "nk")],
