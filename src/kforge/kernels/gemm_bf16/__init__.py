@@ -369,4 +369,5 @@ SWEEP: tuple[tuple[int, dict[str, int]], ...] = (
     (4, TALL_TILE),
     (5, TALL_TILE),
     (4, STREAM_K_VARIANT),
+    (4, {"BN": 192}),  # 128 x 192 tiles: cuBLAS's width at 512-1024 rows (notes/2026-11-26-session13)
 )
