@@ -34,7 +34,7 @@ Two paths by the number of rows M (tokens):
   of x after the k-tile's wgmmas are issued, and give wgmma its A operand from registers;
   at the tile's end each row's 1/rms scales its fp32 accumulator row before the rounding.
   The next k-tile's fragments are prepared under this k-tile's wgmmas (figures in
-  benchmarks/notes/2026-11-26-session12 and -session13: 1.01-1.02x the compiled pair).
+  benchmarks/notes/2026-11-26-session12 and -session13: 1.02-1.05x the compiled pair at M = 4096).
 
 Why the statistic is computed inside the GEMM rather than by a separate kernel writing r:
 the x tile comes into registers for the gamma multiply anyway, so the squares cost about
