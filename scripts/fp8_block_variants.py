@@ -18,7 +18,8 @@ from kforge.kernels.quant.formats import quantize_fp8_blockwise, quantize_fp8_ro
 from kforge.kernels.quant.fp8_block_gemm import fp8_block_gemm
 from kforge.kernels.quant.fp8_gemm import fp8_gemm
 
-VARIANTS = [(128, 6, 1), (256, 4, 1), (256, 4, 2), (256, 3, 2)]  # block_n, stages, cluster
+# block_n, stages, cluster, partials
+VARIANTS = [(128, 6, 1, 2), (128, 6, 2, 2), (128, 6, 1, 1), (256, 4, 1, 1), (256, 4, 2, 1)]
 
 
 def main():
@@ -30,15 +31,27 @@ def main():
     del x, w
     want = fp8_gemm(a, b, sa, sb, "block", prefer_cuda=False).float()
     fns = {"Triton block": lambda: fp8_gemm(a, b, sa, sb, "block", prefer_cuda=False)}
-    for block_n, stages, cluster in VARIANTS:
-        def call(block_n=block_n, stages=stages, cluster=cluster):
-            return fp8_block_gemm(a, b, sa, sb, block_n=block_n, stages=stages, cluster=cluster)
+    for block_n, stages, cluster, partials in VARIANTS:
+        def call(block_n=block_n, stages=stages, cluster=cluster, partials=partials):
+            return fp8_block_gemm(a, b, sa, sb, block_n=block_n, stages=stages, cluster=cluster, partials=partials)
 
-        name = f"CUDA block BN={block_n} stages={stages} cluster={cluster}"
+        name = f"CUDA block BN={block_n} stages={stages} cluster={cluster} partials={partials}"
         error = ((call().float() - want).abs().max() / want.abs().max()).item()
         print(f"{name}: max |CUDA - Triton| / max |C| = {error:.1e}")
         if error < 2e-2:
             fns[name] = call
+    # Timing only, wrong results: how much of the time the promotion's form costs (the .cu's PROMOTE_TIMING)
+    from kforge.kernels.quant import fp8_block_gemm as module
+    from kforge.runtime.cuda import CudaKernel
+    for promote, what in ((1, "acc += p"), (3, "acc += p * constant")):
+        kernel = CudaKernel.from_file(module.SOURCE, "fp8_block_gemm", defines={
+            "STAGES": 6, "BN": 128, "CLUSTER_M": 2, "PARTIALS": 2, "PROMOTE_TIMING": promote})
+        plan = module._Plan(kernel, 6, 128, 2, m, n, k, torch.cuda.current_device())
+        def timing_only(plan=plan):
+            c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            plan(a, b, c, sa, sb)
+            return c
+        fns[f"TIMING ONLY BN=128 cluster=2 partials=2, promotion as {what}"] = timing_only
     for fast in (False, True):
         fns[f"_scaled_mm rowwise{' fast' if fast else ''}"] = lambda fast=fast: torch._scaled_mm(
             ra, rb.t(), scale_a=rsa, scale_b=rsb.reshape(1, n), out_dtype=torch.bfloat16, use_fast_accum=fast)

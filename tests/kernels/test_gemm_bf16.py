@@ -216,8 +216,13 @@ def test_ops_matmul_picks_the_rung_by_tiles_waves_width_and_k():
     assert best_kernel(8192, 8192, 8192) == (4, {})  # rung 5 no faster since the overlapped epilogue
     assert best_kernel(2048, 2048, 2048) == (4, {})  # 128 tiles: one wave
     assert best_kernel(8192, 50304, 768) == (5, {})  # wide N, short K: clusters share B
-    assert best_kernel(8192, 2304, 768) == (4, {})  # 576 tiles: 4.4 waves
-    assert best_kernel(8192, 768, 3072) == (6, {})  # 192 tiles: 1.45 waves
+    assert best_kernel(8192, 2304, 768) == (4, {})  # 576 tiles: 4.4 waves; of 192, 87% against 97% full
+    # 128 x 256 tiles leaving SMs idle that 128 x 192 tiles would fill (tiles of 256 / of 192 on 132 SMs)
+    assert best_kernel(8192, 768, 3072) == (4, gemm_bf16.NARROW_TILE)  # 192 tiles (1.45 waves) / 256 (1.94)
+    assert best_kernel(512, 6144, 4096) == (4, gemm_bf16.NARROW_TILE)  # 96 / 128
+    assert best_kernel(768, 4096, 4096) == (4, gemm_bf16.NARROW_TILE)  # 96 / 132
+    assert best_kernel(1024, 4096, 4096) == (4, {})  # 128 / 176: 256 already fills one wave
+    assert best_kernel(3072, 1024, 4096) == (6, {})  # 96 / 144: 192 leaves 1.09 waves, no better
     assert best_kernel(12608, 1024, 4096) == (4, {})  # 396 tiles: 3.0 waves
     assert best_kernel(16, 4096, 4096, sms=8) == (4, {})  # a smaller GPU fills up sooner
 
@@ -269,17 +274,21 @@ def test_rungs_are_correct_on_odd_shapes(step, b_layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b_layout", gemm_bf16.B_LAYOUTS)
-@pytest.mark.parametrize("number", [4, 5])
-def test_overlapped_epilogue_stores_every_tile_of_a_cta_with_several(number, b_layout):
+@pytest.mark.parametrize("number, defines", [(4, {}), (5, {}), (4, gemm_bf16.NARROW_TILE), (4, {
+    "BN": 192, "EPI_OVERLAP": 0})], ids=["rung4", "rung5", "rung4-128x192", "rung4-128x192-after-kloop"])
+def test_overlapped_epilogue_stores_every_tile_of_a_cta_with_several(number, defines, b_layout):
     """Rungs 4 and 5 store a tile's results under the next tile's k-loop, one 64-column slice
     every EPI_SPREAD (2) k-tiles: more tiles than SMs, so CTAs run several in turn, with K of 2
-    and 3 k-tiles (room for one slice: the other 3 go out after the k-loop) and of 9 (all 4
-    under it), into a NaN-poisoned output."""
+    and 3 k-tiles (room for one slice: the others go out after the k-loop) and of 9 (all
+    under it), into a NaN-poisoned output. 128 x 192 tiles have 3 slices, an odd number for
+    the two slice buffers: a tile's first slice must not take the buffer of the previous
+    tile's last (short K: that store is still reading it), under the k-loop or after it."""
     torch.manual_seed(3)
-    for m, n, k in ((2000, 2056, 72), (4000, 4104, 136), (3000, 2056, 520)):
+    for m, n, k in ((2000, 2056, 72), (4000, 4104, 136), (3000, 2056, 520), (2000, 2056, 136)):
         a, b, expected = _operands(m, n, k, b_layout)
         torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")  # freed: the output reuses it
-        _assert_close(gemm(a, b, number, b_layout=b_layout), expected)
+        for _ in range(3):
+            _assert_close(gemm(a, b, number, b_layout=b_layout, defines=defines), expected)
 
 
 @pytest.mark.gpu
@@ -316,8 +325,9 @@ def test_split_k_sums_every_split_once_and_leaves_the_counters_ready(m, n, k, sp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("number, defines", [(4, {}), (4, gemm_bf16.SPLIT_K_VARIANT), (6, {})],
-                         ids=["rung4", "rung4-split-k", "rung6"])
+@pytest.mark.parametrize("number, defines", [(4, {}), (4, gemm_bf16.SPLIT_K_VARIANT), (6, {}),
+                                             (4, gemm_bf16.NARROW_TILE)],
+                         ids=["rung4", "rung4-split-k", "rung6", "rung4-128x192"])
 @pytest.mark.parametrize("activation", list(gemm_bf16.ACTIVATIONS))
 def test_fused_epilogue_matches_float64_on_odd_shapes(number, defines, activation):
     """act(a @ b + bias) [+ residual] against float64, outputs ~N(0, 1) so every activation's

@@ -22,6 +22,12 @@ def best_kernel(m: int, n: int, k: int, sms: int = 132) -> tuple[int, dict[str, 
 
     - 128 x 256 tiles leaving more than half the SMs idle (skinny M, 1024^3): rung 4's split-K
       variant cuts each 128 x 128 tile's K loop across the idle SMs.
+    - 128 x 192 tiles filling the SMs at least 15% better than 128 x 256 (by the share of the
+      last wave's SMs busy): rung 4 on 128 x 192 tiles, cuBLAS's own width at these shapes
+      (benchmarks/notes/2026-11-26-session14, gemm-bf16-narrow*.txt): 512 x 6144 x 4096 1.005x
+      cuBLAS against rung 6's 0.775x; 1024 x 6144 x 4096 1.017x against 0.948x; 768 x 4096 x 4096
+      1.006x against 0.774x; 8192 x 768 x 3072 1.010x against 0.948x; 512 x 10240 x 8192 0.869x
+      against 0.801x.
     - 128 x 256 tiles filling their last wave less than 3/4: rung 6, whose 128 x 128 tiles
       fill it better (8192 x 768 x 3072, 1.45 waves: 0.95x cuBLAS against rung 4's 0.80x;
       8192 x 768 x 768: 1.04x against 0.89x).
@@ -31,12 +37,18 @@ def best_kernel(m: int, n: int, k: int, sms: int = 132) -> tuple[int, dict[str, 
       8192^3, 0.98-1.02x over the M = 4096 Llama-3 projections, where rung 5 is no faster
       (0.99-1.02x). Short K went to rung 6 before the overlap; rung 4 now wins there too
       (12608 x 3072 x 1024: 1.08x against 1.01x) but for 8192 x 2304 x 768 (1.03x against 1.07x)."""
-    from kforge.kernels.gemm_bf16 import SPLIT_K_VARIANT
+    from kforge.kernels.gemm_bf16 import NARROW_TILE, SPLIT_K_VARIANT
+
+    def fill(width: int) -> float:  # the share of the SMs busy, over all waves of 128 x width tiles
+        tiles = -(-m // 128) * -(-n // width)
+        return tiles / (-(-tiles // sms) * sms)
 
     tiles = -(-m // 128) * -(-n // 256)
     if 2 * tiles <= sms:
         return 4, dict(SPLIT_K_VARIANT)
-    if tiles / sms / -(-tiles // sms) < 0.75:
+    if fill(192) > 1.15 * fill(256):
+        return 4, dict(NARROW_TILE)
+    if fill(256) < 0.75:
         return 6, {}
     if n >= 32768 and k <= 1024 and tiles >= 2 * sms:  # (a cluster pairs two row tiles)
         return 5, {}

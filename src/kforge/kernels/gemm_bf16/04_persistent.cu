@@ -314,14 +314,17 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
         const u64 b_desc0 = B_KMAJOR ? kmajor_desc(b_tile(0), 0) : nmajor_desc<BK>(b_tile(0), 0);
         constexpr u32 STAGE_STEP = STAGE_BYTES / 16, A_KSTEP = 32 / 16, A_LOWER = 64 * BK * 2 / 16;
         constexpr u32 B_KSTEP = B_KMAJOR ? 32 / 16 : 16 * 64 * 2 / 16;
-        // One EPI_COLS-wide slice of a 64-row result goes out through this consumer's slice buffers:
-        // slice_begin waits until the buffer's previous store has read it (stores complete in order, so
-        // with two buffers "all but the latest group" is this buffer's); the caller fills it (swizzled);
-        // slice_end hands it to the TMA store.
-        auto slice_begin = [&](int sl) {
+        // One EPI_COLS-wide slice of a 64-row result goes out through this consumer's slice buffers, taken
+        // in turn: slice_begin waits until the buffer's previous store has read it (stores complete in
+        // order, so with two buffers "all but the latest group" is this buffer's); the caller fills it
+        // (swizzled); slice_end hands it to the TMA store. The turn is counted across tiles: a tile of
+        // 192 columns has 3 slices, so its slice number alone would put the next tile's first slice in
+        // the buffer whose store was issued last, while that store may still be reading it.
+        u32 slices_begun = 0;
+        auto slice_begin = [&]() {
             if (thread == 0) bulk_wait_read<EPI_BUFFERS - 1>();
             named_barrier(1 + consumer, 128);
-            return c_tile + sl % EPI_BUFFERS * 64 * EPI_COLS;
+            return c_tile + slices_begun++ % EPI_BUFFERS * 64 * EPI_COLS;
         };
         auto slice_end = [&](bf16_bits* slice, int sl, int first_row, int first_col) {
             fence_proxy_async();
@@ -341,7 +344,7 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
 #pragma unroll
             for (int s = 0; s < EPI_SLICES; ++s)
                 if (s == sl) {  // (held[] is registers: each slice's indices must be constants)
-                    bf16_bits* slice = slice_begin(s);
+                    bf16_bits* slice = slice_begin();
                     store_packed_swizzled<BN, EPI_COLS>(held, slice, s * EPI_COLS);
                     slice_end(slice, s, held_row, held_col);
                 }
@@ -543,7 +546,7 @@ gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap 
             auto store_rows = [&](const float (&d)[BN / 2], int first_row) {  // one 64-row accumulator
 #pragma unroll
                 for (int sl = 0; sl < EPI_SLICES; ++sl) {
-                    bf16_bits* slice = slice_begin(sl);
+                    bf16_bits* slice = slice_begin();
                     store_cols_swizzled<BN, EPI_COLS, EPI_BIAS, EPI_ACT, EPI_RESIDUAL, NORM_A>(
                         d, slice, sl * EPI_COLS, first_row, col0, M, N, bias, residual, row_scale);
                     slice_end(slice, sl, first_row, col0);

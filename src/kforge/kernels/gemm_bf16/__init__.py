@@ -134,6 +134,9 @@ STREAM_K_VARIANT = {"STREAM_K": 1}
 EPILOGUE_AFTER_KLOOP = {"EPI_OVERLAP": 0, "EPI_COLS": 128, "EPI_BUFFERS": 1}
 # Rungs 4 and 5 with cuBLAS's tile at 4096^3 (ncu, 2026-11-22): 256 x 128, each consumer 128 rows.
 TALL_TILE = {"BM": 256, "BN": 128, "WG_ROWS": 128}
+# Rung 4 on 128 x 192 tiles: where they fill the SMs' last wave better than 128 x 256 (cuBLAS's width
+# at 512-1024 rows, ncu 2026-11-26; kforge.ops.matmul.best_kernel picks it by that rule).
+NARROW_TILE = {"BN": 192}
 
 
 def auto_splits(tiles: int, resident_ctas: int, k_tiles: int) -> int:
@@ -369,5 +372,5 @@ SWEEP: tuple[tuple[int, dict[str, int]], ...] = (
     (4, TALL_TILE),
     (5, TALL_TILE),
     (4, STREAM_K_VARIANT),
-    (4, {"BN": 192}),  # 128 x 192 tiles: cuBLAS's width at 512-1024 rows (notes/2026-11-26-session13)
+    (4, NARROW_TILE),
 )

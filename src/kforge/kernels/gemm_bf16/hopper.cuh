@@ -28,6 +28,10 @@ __device__ __forceinline__ u32 lds_u32(const void* p) {
     asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(smem_u32(p)));
     return v;
 }
+__device__ __forceinline__ float lds_f32(const void* p) { return __uint_as_float(lds_u32(p)); }
+__device__ __forceinline__ void sts_f32(void* p, float v) {
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(smem_u32(p)), "f"(v) : "memory");
+}
 
 // The launcher derives block size and shared memory from the same #defines in Python; a
 // mismatch would corrupt memory quietly, so the kernel traps on it instead.

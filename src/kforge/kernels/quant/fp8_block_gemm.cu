@@ -13,32 +13,39 @@
 // barrier after every promotion, so the tensor cores idle while both promote (0.63x
 // torch._scaled_mm rowwise, 886 TFLOP/s at 4096 x 7168 x 16384). Here the two consumer
 // warpgroups run free of each other: while one promotes, the other's chain runs.
-// Why one partial and a wait before each promotion: keeping two partials and issuing block
-// j+1 before promoting block j made ptxas serialize every wgmma (C7514: accumulator registers
-// read while a wgmma group may still write them; it cannot tell that the group read from
-// was waited for), a wait after each of the four instructions.
+// PARTIALS = 2 (BN 128): each consumer issues block j+1's chain into a second partial before it
+// waits for block j's and promotes it (`wgmma.wait_group 1`), so its own next chain runs under
+// its promotion too. (An earlier version of this found ptxas serializing every wgmma, C7514;
+// written as a loop unrolled by two, one partial each, it does not: the build test checks.)
 //
-// Tile 128 x BN x 128 bytes. BN = 128: a stage is 16 + 16 KB, 6 stages; registers 64 (acc)
-// + 64 (partial). BN = 256: the two 128-column halves (one sb block each) take turns in the
-// one partial, acc is 2 x 64; a stage is 16 + 32 KB, 4 stages: A is read once per 256
-// columns, a quarter less TMA traffic into shared memory per FLOP. The epilogue goes out in
-// 64 x 128 halves through one 16 KB buffer a consumer. The scales come through plain loads
-// (L2: 2 MB of sa at the shape above), one K block ahead of the promotion that uses them.
+// Where the scales come from. The producer warpgroup's three idle warps load each K block's
+// sa for the tile's 128 rows and its sb, and store the products sa[row] * sb into the stage's
+// scale slot before arriving on the stage's barrier (which counts the TMA thread and 32 loader
+// lanes); a consumer reads its two rows' factors from shared memory. Before, each consumer
+// thread loaded its scales from global memory every K block: the loads' address arithmetic
+// and their latency sat in the consumers' path between chains.
 //
-// Measured on the H100 (2026-11-22, scripts/fp8_block_variants.py, device time at 4096 x 7168
-// x 16384): BN 256 with clusters of two, 1185-1209 TFLOP/s (0.85x torch._scaled_mm rowwise,
+// Tile 128 x BN x 128 bytes. BN = 128: a stage is 16 + 16 KB (+ 512 B of scales), 6 stages;
+// registers 64 (acc) + 64 (partial) [+ 64]. BN = 256: the two 128-column halves (one sb block
+// each) take turns in the one partial, acc is 2 x 64; a stage is 16 + 32 KB (+ 1 KB), 4
+// stages: A is read once per 256 columns. The epilogue goes out in 64 x 64 quarters through
+// one 8 KB buffer a consumer. Registers: the producer warpgroup 56 (the loaders), the
+// consumers 224.
+//
+// Measured on the H100, scripts/fp8_block_variants.py, device time at 4096 x 7168 x 16384:
+// 2026-11-22: BN 256 with clusters of two, 1185-1209 TFLOP/s (0.85x torch._scaled_mm rowwise,
 // which promotes too); BN 256 alone 1149-1199; BN 128 990-1014; the Triton kernel 835-852.
-// Loading the scales a K block ahead rather than beside their chain changed nothing
-// measurable (kept). Tried and dropped: a third consumer warpgroup (192 x 128 tiles at 160
-// registers: 942-1054; a 10-wave grid at this shape). ncu of BN 256 (no cluster): tensor pipe 68% of elapsed cycles,
-// SMs active 93% of them (896 tiles are 6.8 waves); cuBLAS's rowwise kernel, 128 x 128 x 128
-// with 6 stages: tensor pipe 92%.
-// Session 13 (2026-11-26, benchmarks/notes/2026-11-26-session13): the chain's descriptors are now
-// stage 0's plus constants (no descriptor arithmetic between QGMMAs): 1227 TFLOP/s against
-// _scaled_mm rowwise's 1449 in that run, still 0.85x. Not the bottleneck, measured: the scale
-// loads (loading them once a tile instead of every K block: 1164 against 1204, no faster) and
-// the order in which the two consumers issue their chains (taking turns through named
-// barriers: 1145 against 1181 at BN 256, 1015 against 977 at BN 128).
+// Tried and dropped: a third consumer warpgroup (192 x 128 tiles at 160 registers: 942-1054).
+// ncu of BN 256: tensor pipe 68% of elapsed cycles; cuBLAS's rowwise kernel (128 x 128 x 128,
+// 6 stages, no cluster): 92%.
+// 2026-11-26 (session 13): the chain's descriptors are stage 0's plus constants: 1227 TFLOP/s
+// against rowwise's 1449, 0.85x. Not the bottleneck then: the consumers taking turns through
+// named barriers (1145 against 1181).
+// 2026-11-26 (session 14, benchmarks/notes/2026-11-26-session14): two partials at BN 128 with
+// clusters of two, 1169-1185 against BN 256's 1122-1183 (0.83-0.84x). Timing-only builds
+// (PROMOTE_TIMING) put the rest in the scales: with the promotion's factor a constant and no
+// scale loads, 1364-1386 (0.98x); with the loaded factors kept in registers but no loads after
+// the first block, 1350. Hence the scales through shared memory.
 #include "../gemm_bf16/hopper.cuh"
 
 #ifndef STAGES
@@ -61,10 +68,22 @@
 #define BM (64 * CONSUMERS)
 #define NUM_THREADS (128 * (CONSUMERS + 1))
 #define STAGE_BYTES ((BM + BN) * BK)
-#define C_TILE_BYTES (64 * 128 * 2)  // one consumer's epilogue buffer: a 64 x 128 half of its slab
-#define SHARED_BYTES (STAGES * STAGE_BYTES + CONSUMERS * C_TILE_BYTES + 1024 + 2 * STAGES * 8)
+#define C_TILE_BYTES (64 * 64 * 2)  // one consumer's epilogue buffer: a 64 x 64 quarter of its slab
+#define SCALE_BYTES (HALVES * BM * 4)  // a stage's scales: sa[row] * sb[half] for the tile's rows and halves
+// The producer warpgroup's idle warps that load scales, taking ring positions in turn: a divisor of STAGES,
+// so each loader owns fixed slots and waits on each one's every phase in order (a loader that came back to a
+// slot only every few laps could pass a parity wait meant for a later lap, and overwrite scales in use).
+#define SCALE_LOADERS (STAGES % 3 == 0 ? 3 : STAGES % 2 == 0 ? 2 : 1)
+#define SHARED_BYTES (STAGES * (STAGE_BYTES + SCALE_BYTES) + CONSUMERS * C_TILE_BYTES + 1024 + 2 * STAGES * 8)
 static_assert(SHARED_BYTES <= 227 * 1024, "fits one block's shared memory");
 static_assert(BN == 128 || BN == 256, "one or two 128-column halves");
+#ifndef PARTIALS
+#define PARTIALS 1  // 2: block kb + 1's chain is issued before block kb is promoted (BN 128 only)
+#endif
+static_assert(PARTIALS == 1 || (PARTIALS == 2 && BN == 128), "two partials fit the registers at BN 128 only");
+#ifndef PROMOTE_TIMING
+#define PROMOTE_TIMING 0  // TIMING ONLY, WRONG RESULTS (scripts/fp8_block_variants.py, two partials): the promotion
+#endif                    // as 1: acc += p (FADD); 2: none (the last block only); 3: acc += p * constant
 
 static_assert(BN % (8 * CLUSTER_M) == 0, "each CTA of a cluster loads an equal share of B's rows");
 
@@ -83,7 +102,8 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
     unsigned char* tiles =
         reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
     bf16_bits* c_tiles = reinterpret_cast<bf16_bits*>(tiles + STAGES * STAGE_BYTES);
-    u64* full = reinterpret_cast<u64*>(tiles + STAGES * STAGE_BYTES + CONSUMERS * C_TILE_BYTES);
+    float* scale_ring = reinterpret_cast<float*>(tiles + STAGES * STAGE_BYTES + CONSUMERS * C_TILE_BYTES);
+    u64* full = reinterpret_cast<u64*>(scale_ring + STAGES * SCALE_BYTES / 4);
     u64* empty = full + STAGES;
     auto a_tile = [&](int s) { return tiles + s * STAGE_BYTES; };
     auto b_tile = [&](int s) { return tiles + s * STAGE_BYTES + BM * BK; };
@@ -97,7 +117,7 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(&full[s], 1);
+            mbar_init(&full[s], 1 + 32);  // the TMA thread's and a scale loader's 32 lanes' arrivals
             mbar_init(&empty[s], CONSUMERS * 4 * CLUSTER_M);  // every consumer warp of the cluster
         }
         fence_barrier_init();
@@ -106,7 +126,7 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
     else __syncthreads();
 
     if (wg == 0) {  // producer
-        setmaxnreg_dec<40>();
+        setmaxnreg_dec<56>();
         if (threadIdx.x == 0) {
             int it = 0;  // K blocks loaded so far, across tiles: the ring position
             for (int job = first_job; job < jobs; job += job_stride) {
@@ -127,57 +147,146 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
                     }
                 }
             }
+        } else if (threadIdx.x >= 32 && threadIdx.x < 32 * (1 + SCALE_LOADERS)) {
+            // scale loaders: warp 1 + w takes the ring positions w, w + SCALE_LOADERS, ...
+            const int loader = threadIdx.x / 32 - 1;
+            int it = 0;
+            for (int job = first_job; job < jobs; job += job_stride) {
+                int cm, tn;
+                tile_coords(job, cluster_rows, tiles_n, GROUP_M, cm, tn);
+                // (offsets fit 32 bits: the wrapper checks the scales' largest)
+                const int row = (cm * CLUSTER_M + rank) * BM + lane;  // and + 32, + 64, + 96 (past M: clamped)
+                const int sb_row = min(tn * HALVES + lane, CEIL_DIV(N, 128) - 1) * sb_row_stride;
+                for (int kb = (loader - it % SCALE_LOADERS + SCALE_LOADERS) % SCALE_LOADERS; kb < k_blocks;
+                     kb += SCALE_LOADERS) {
+                    float a[BM / 32], b = lane < HALVES ? __ldg(b_scale + sb_row + kb * sb_block_stride) : 0.0f;
+#pragma unroll
+                    for (int j = 0; j < BM / 32; ++j)
+                        a[j] = __ldg(a_scale + min(row + 32 * j, M - 1) * sa_row_stride + kb * sa_block_stride);
+                    const int s = (it + kb) % STAGES;
+                    mbar_wait(&empty[s], (((it + kb) / STAGES) & 1) ^ 1);
+#pragma unroll
+                    for (int h = 0; h < HALVES; ++h) {
+                        const float bh = __shfl_sync(0xffffffffu, b, h);
+#pragma unroll
+                        for (int j = 0; j < BM / 32; ++j) sts_f32(&scale_ring[(s * HALVES + h) * BM + lane + 32 * j], a[j] * bh);
+                    }
+                    mbar_arrive(&full[s]);  // (release: the stores above are seen by whoever waits on the phase)
+                }
+                it += k_blocks;
+            }
         }
     } else {  // consumers
-        setmaxnreg_inc<232>();
-        const int consumer = wg - 1, thread = threadIdx.x % 128, warp = thread / 32;
+        setmaxnreg_inc<224>();
+        // warp-uniform by construction (a shuffle from lane 0), so what derives from it (the
+        // descriptors) can live in uniform registers
+        const int consumer = __shfl_sync(0xffffffffu, wg - 1, 0), thread = threadIdx.x % 128, warp = thread / 32;
         bf16_bits* c_tile = c_tiles + consumer * (C_TILE_BYTES / 2);
-        const int sb_rows = CEIL_DIV(N, 128);
-        float acc[HALVES][64], partial[64];
+        float acc[HALVES][64];
         int it = 0;
         // Stage 0's descriptors at k-slice 0: another stage, k-slice or half only adds a constant to the
         // start-address field (address / 16), so the chain issues no descriptor arithmetic (rung 4's
         // lean k-loop, 04_persistent.cu).
         const u64 a_desc0 = fp8_desc(a_tile(0) + consumer * 64 * BK, 0), b_desc0 = fp8_desc(b_tile(0), 0);
-        constexpr u32 STAGE_STEP = STAGE_BYTES / 16, K_STEP = 32 / 16, HALF_STEP = 128 * BK / 16;
+        constexpr u32 STAGE_STEP = STAGE_BYTES / 16, K_STEP = 32 / 16;
+        // The same as 32-bit sums: the low word holds the start address (14 bits, < 256 KB / 16, so an
+        // offset never carries out of it); the high word (SBO, swizzle) is the same for A and B.
+        const u32 a_lo = u32(a_desc0), b_lo = u32(b_desc0), desc_hi = u32(a_desc0 >> 32);
+        auto desc_of = [&](u32 lo) { return (u64(desc_hi) << 32) | lo; };
+        // this thread's two accumulator rows (16 warp + lane / 4 of its 64, and 8 below): their places in
+        // a stage's scale slot
+        const int lo_row = consumer * 64 + 16 * warp + lane / 4, hi_row = lo_row + 8;
         for (int job = first_job; job < jobs; job += job_stride) {
             int cm, tn;
             tile_coords(job, cluster_rows, tiles_n, GROUP_M, cm, tn);
             const int row0 = (cm * CLUSTER_M + rank) * BM + consumer * 64;
-            // this thread's two accumulator rows (16 warp + lane / 4, and 8 below), clamped into A for the scales
-            const float* sa_lo = a_scale + size_t(min(row0 + 16 * warp + lane / 4, M - 1)) * sa_row_stride;
-            const float* sa_hi = a_scale + size_t(min(row0 + 16 * warp + lane / 4 + 8, M - 1)) * sa_row_stride;
 #pragma unroll
             for (int h = 0; h < HALVES; ++h)
 #pragma unroll
                 for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
-            // The scales of block kb + 1 are loaded during block kb: an L2 hit under this load takes
-            // longer than one chain, and loaded just before their promotion they stalled it (ncu:
-            // long-scoreboard waits the largest stall reason, the tensor pipe 68% busy).
-            float a_lo, a_hi, b[HALVES];
-            auto load_scales = [&](int kb) {
-                a_lo = __ldg(sa_lo + size_t(kb) * sa_block_stride);
-                a_hi = __ldg(sa_hi + size_t(kb) * sa_block_stride);
+#if PARTIALS == 2
+            // The ring slot and phase of the next chain to issue and of the next to retire, carried
+            // (a division by STAGES = 6 each K block cost a dozen serial uniform instructions).
+            int issue_slot = it % STAGES, issue_phase = (it / STAGES) & 1, retire_slot = issue_slot;
+            auto next = [](int& slot) { return ++slot == STAGES ? (slot = 0, true) : false; };
+            // Block kb's chain into one partial, once its stage has landed.
+            auto issue = [&](float(&p)[64]) {
+                mbar_wait(&full[issue_slot], issue_phase);
+                const u32 a = a_lo + issue_slot * STAGE_STEP, b = b_lo + issue_slot * STAGE_STEP;
+                wgmma_fence();
 #pragma unroll
-                for (int h = 0; h < HALVES; ++h)
-                    b[h] = __ldg(b_scale + size_t(min(tn * HALVES + h, sb_rows - 1)) * sb_row_stride +
-                                 size_t(kb) * sb_block_stride);
+                for (int ks = 0; ks < BK / 32; ++ks)
+                    wgmma_m64n128k32_e4m3(p, desc_of(a + ks * K_STEP), desc_of(b + ks * K_STEP), ks > 0);
+                wgmma_commit();
+                if (next(issue_slot)) issue_phase ^= 1;
             };
-            load_scales(0);
-            for (int kb = 0; kb < k_blocks; ++kb) {
-                float lo[HALVES], hi[HALVES];
+            // Block kb's chain has completed: free its stage, promote it, load block kb + 1's scales.
+            auto retire = [&](const float(&p)[64], int kb) {
+                const float* scales = scale_ring + retire_slot * HALVES * BM;
+                const float lo = lds_f32(&scales[lo_row]), hi = lds_f32(&scales[hi_row]);
+                if (lane == 0) {
+                    if (CLUSTER_M == 1) mbar_arrive(&empty[retire_slot]);
+                    else
+                        for (int r = 0; r < CLUSTER_M; ++r) mbar_arrive_cluster(&empty[retire_slot], r);
+                }
+                next(retire_slot);
+#if PROMOTE_TIMING == 0
 #pragma unroll
-                for (int h = 0; h < HALVES; ++h) lo[h] = a_lo * b[h], hi[h] = a_hi * b[h];
-                if (kb + 1 < k_blocks) load_scales(kb + 1);
+                for (int i = 0; i < 16; ++i) {
+                    acc[0][4 * i] = fmaf(p[4 * i], lo, acc[0][4 * i]);
+                    acc[0][4 * i + 1] = fmaf(p[4 * i + 1], lo, acc[0][4 * i + 1]);
+                    acc[0][4 * i + 2] = fmaf(p[4 * i + 2], hi, acc[0][4 * i + 2]);
+                    acc[0][4 * i + 3] = fmaf(p[4 * i + 3], hi, acc[0][4 * i + 3]);
+                }
+#elif PROMOTE_TIMING == 1
+#pragma unroll
+                for (int i = 0; i < 64; ++i) acc[0][i] += p[i];
+#elif PROMOTE_TIMING == 3
+#pragma unroll
+                for (int i = 0; i < 64; ++i) acc[0][i] = fmaf(p[i], 1.0009765625f, acc[0][i]);
+#endif
+                if (PROMOTE_TIMING == 2 && kb == k_blocks - 1)
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) acc[0][i] = p[i] * lo;
+            };
+            float p0[64], p1[64];
+            issue(p0);
+            int kb = 0;
+            for (; kb + 2 < k_blocks; kb += 2) {  // p0 holds block kb in flight
+                issue(p1);
+                wgmma_wait<1>();
+                retire(p0, kb);
+                issue(p0);
+                wgmma_wait<1>();
+                retire(p1, kb + 1);
+            }
+            if (kb + 1 < k_blocks) {
+                issue(p1);
+                wgmma_wait<1>();
+                retire(p0, kb);
+                wgmma_wait<0>();
+                retire(p1, kb + 1);
+            } else {
+                wgmma_wait<0>();
+                retire(p0, kb);
+            }
+#else
+            float partial[64];
+            for (int kb = 0; kb < k_blocks; ++kb) {
                 const int s = (it + kb) % STAGES;
                 mbar_wait(&full[s], ((it + kb) / STAGES) & 1);
+                float lo[HALVES], hi[HALVES];  // read before the stage is freed
+#pragma unroll
+                for (int h = 0; h < HALVES; ++h)
+                    lo[h] = lds_f32(&scale_ring[(s * HALVES + h) * BM + lo_row]),
+                    hi[h] = lds_f32(&scale_ring[(s * HALVES + h) * BM + hi_row]);
 #pragma unroll
                 for (int h = 0; h < HALVES; ++h) {  // one 128-column half (one block of sb) at a time
                     wgmma_fence();
 #pragma unroll
                     for (int ks = 0; ks < BK / 32; ++ks)
                         wgmma_m64n128k32_e4m3(partial, a_desc0 + s * STAGE_STEP + ks * K_STEP,
-                                              b_desc0 + s * STAGE_STEP + h * HALF_STEP + ks * K_STEP, ks > 0);
+                                              b_desc0 + s * STAGE_STEP + h * (128 * BK / 16) + ks * K_STEP, ks > 0);
                     wgmma_commit();
                     wgmma_wait<0>();
                     if (h == HALVES - 1 && lane == 0) {  // the stage is read: free it in every CTA it was loaded for
@@ -194,22 +303,24 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
                     }
                 }
             }
+#endif
             it += k_blocks;
 
-            // Epilogue, half by half: wait until the buffer's last store has read it, fill it, store it.
+            // Epilogue, 64 columns at a time: wait until the buffer's last store has read it, fill it, store it.
 #pragma unroll
-            for (int h = 0; h < HALVES; ++h) {
-                if (thread == 0) bulk_wait_read();
-                named_barrier(1 + consumer, 128);
-                store_cols_swizzled<128, 128>(acc[h], c_tile, 0);
-                fence_proxy_async();
-                named_barrier(1 + consumer, 128);
-                if (thread == 0) {
-                    for (int c = 0; c < 2; ++c)
-                        tma_store_2d(c_map, c_tile + c * 64 * 64, tn * BN + 128 * h + 64 * c, row0);
-                    bulk_commit();
+            for (int h = 0; h < HALVES; ++h)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    if (thread == 0) bulk_wait_read();
+                    named_barrier(1 + consumer, 128);
+                    store_cols_swizzled<128, 64>(acc[h], c_tile, 64 * c);
+                    fence_proxy_async();
+                    named_barrier(1 + consumer, 128);
+                    if (thread == 0) {
+                        tma_store_2d(c_map, c_tile, tn * BN + 128 * h + 64 * c, row0);
+                        bulk_commit();
+                    }
                 }
-            }
         }
         if (thread == 0) bulk_wait_read();  // the CTA's shared memory must outlive the last store's reads
     }
