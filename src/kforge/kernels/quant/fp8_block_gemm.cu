@@ -45,7 +45,14 @@
 // clusters of two, 1169-1185 against BN 256's 1122-1183 (0.83-0.84x). Timing-only builds
 // (PROMOTE_TIMING) put the rest in the scales: with the promotion's factor a constant and no
 // scale loads, 1364-1386 (0.98x); with the loaded factors kept in registers but no loads after
-// the first block, 1350. Hence the scales through shared memory.
+// the first block, 1350. Hence the scales through shared memory: BN 256 with clusters of two
+// 1289-1346 (0.93-0.94x; through `kforge bench quant` 1370, 0.95x), now the default; BN 128 with
+// two partials 1180-1233 (0.85-0.86x). At BN 256 the timing-only promotion (acc += p) runs at
+// 1416 (0.99x) against the exact one's 1341: what is left is the FFMA's per-row factor, a third
+// register operand (ncu, BN 128: every other promotion FFMA stalls on dispatch, the ones whose
+// factor ptxas does not take from its operand-reuse cache; a register-bank conflict, we read).
+// Tried and not kept: three consumer warpgroups on
+// 192 x 128 tiles (152 registers each), 1125-1191 (patch in the notes).
 #include "../gemm_bf16/hopper.cuh"
 
 #ifndef STAGES
@@ -82,8 +89,8 @@ static_assert(BN == 128 || BN == 256, "one or two 128-column halves");
 #endif
 static_assert(PARTIALS == 1 || (PARTIALS == 2 && BN == 128), "two partials fit the registers at BN 128 only");
 #ifndef PROMOTE_TIMING
-#define PROMOTE_TIMING 0  // TIMING ONLY, WRONG RESULTS (scripts/fp8_block_variants.py, two partials): the promotion
-#endif                    // as 1: acc += p (FADD); 2: none (the last block only); 3: acc += p * constant
+#define PROMOTE_TIMING 0  // TIMING ONLY, WRONG RESULTS (scripts/fp8_block_variants.py; one partial): the
+#endif                    // promotion as 1: acc += p (FADD), 3: acc += p * constant
 
 static_assert(BN % (8 * CLUSTER_M) == 0, "each CTA of a cluster loads an equal share of B's rows");
 
@@ -220,8 +227,8 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
                 wgmma_commit();
                 if (next(issue_slot)) issue_phase ^= 1;
             };
-            // Block kb's chain has completed: free its stage, promote it, load block kb + 1's scales.
-            auto retire = [&](const float(&p)[64], int kb) {
+            // The oldest chain in flight has completed: read its stage's scales, free the stage, promote.
+            auto retire = [&](const float(&p)[64]) {
                 const float* scales = scale_ring + retire_slot * HALVES * BM;
                 const float lo = lds_f32(&scales[lo_row]), hi = lds_f32(&scales[hi_row]);
                 if (lane == 0) {
@@ -230,7 +237,6 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
                         for (int r = 0; r < CLUSTER_M; ++r) mbar_arrive_cluster(&empty[retire_slot], r);
                 }
                 next(retire_slot);
-#if PROMOTE_TIMING == 0
 #pragma unroll
                 for (int i = 0; i < 16; ++i) {
                     acc[0][4 * i] = fmaf(p[4 * i], lo, acc[0][4 * i]);
@@ -238,16 +244,6 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
                     acc[0][4 * i + 2] = fmaf(p[4 * i + 2], hi, acc[0][4 * i + 2]);
                     acc[0][4 * i + 3] = fmaf(p[4 * i + 3], hi, acc[0][4 * i + 3]);
                 }
-#elif PROMOTE_TIMING == 1
-#pragma unroll
-                for (int i = 0; i < 64; ++i) acc[0][i] += p[i];
-#elif PROMOTE_TIMING == 3
-#pragma unroll
-                for (int i = 0; i < 64; ++i) acc[0][i] = fmaf(p[i], 1.0009765625f, acc[0][i]);
-#endif
-                if (PROMOTE_TIMING == 2 && kb == k_blocks - 1)
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) acc[0][i] = p[i] * lo;
             };
             float p0[64], p1[64];
             issue(p0);
@@ -255,20 +251,20 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
             for (; kb + 2 < k_blocks; kb += 2) {  // p0 holds block kb in flight
                 issue(p1);
                 wgmma_wait<1>();
-                retire(p0, kb);
+                retire(p0);
                 issue(p0);
                 wgmma_wait<1>();
-                retire(p1, kb + 1);
+                retire(p1);
             }
             if (kb + 1 < k_blocks) {
                 issue(p1);
                 wgmma_wait<1>();
-                retire(p0, kb);
+                retire(p0);
                 wgmma_wait<0>();
-                retire(p1, kb + 1);
+                retire(p1);
             } else {
                 wgmma_wait<0>();
-                retire(p0, kb);
+                retire(p0);
             }
 #else
             float partial[64];
@@ -294,6 +290,7 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
                         else
                             for (int r = 0; r < CLUSTER_M; ++r) mbar_arrive_cluster(&empty[s], r);
                     }
+#if PROMOTE_TIMING == 0
 #pragma unroll
                     for (int i = 0; i < 16; ++i) {  // the promotion; register 4i + 2r + e: row 16 warp + lane/4 + 8r
                         acc[h][4 * i] = fmaf(partial[4 * i], lo[h], acc[h][4 * i]);
@@ -301,6 +298,13 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
                         acc[h][4 * i + 2] = fmaf(partial[4 * i + 2], hi[h], acc[h][4 * i + 2]);
                         acc[h][4 * i + 3] = fmaf(partial[4 * i + 3], hi[h], acc[h][4 * i + 3]);
                     }
+#elif PROMOTE_TIMING == 1
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) acc[h][i] += partial[i];
+#elif PROMOTE_TIMING == 3
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) acc[h][i] = fmaf(partial[i], 1.0009765625f, acc[h][i]);
+#endif
                 }
             }
 #endif
