@@ -271,19 +271,21 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
             for (int kb = 0; kb < k_blocks; ++kb) {
                 const int s = (it + kb) % STAGES;
                 mbar_wait(&full[s], ((it + kb) / STAGES) & 1);
-                float lo[HALVES], hi[HALVES];  // read before the stage is freed
-#pragma unroll
-                for (int h = 0; h < HALVES; ++h)
-                    lo[h] = lds_f32(&scale_ring[(s * HALVES + h) * BM + lo_row]),
-                    hi[h] = lds_f32(&scale_ring[(s * HALVES + h) * BM + hi_row]);
+                const u32 a = a_lo + s * STAGE_STEP, b = b_lo + s * STAGE_STEP;
+                float lo[HALVES], hi[HALVES];
 #pragma unroll
                 for (int h = 0; h < HALVES; ++h) {  // one 128-column half (one block of sb) at a time
                     wgmma_fence();
 #pragma unroll
                     for (int ks = 0; ks < BK / 32; ++ks)
-                        wgmma_m64n128k32_e4m3(partial, a_desc0 + s * STAGE_STEP + ks * K_STEP,
-                                              b_desc0 + s * STAGE_STEP + h * (128 * BK / 16) + ks * K_STEP, ks > 0);
+                        wgmma_m64n128k32_e4m3(partial, desc_of(a + ks * K_STEP),
+                                              desc_of(b + h * (128 * BK / 16) + ks * K_STEP), ks > 0);
                     wgmma_commit();
+                    if (h == 0)  // the block's scales, read under its first chain (and before the stage is freed)
+#pragma unroll
+                        for (int g = 0; g < HALVES; ++g)
+                            lo[g] = lds_f32(&scale_ring[(s * HALVES + g) * BM + lo_row]),
+                            hi[g] = lds_f32(&scale_ring[(s * HALVES + g) * BM + hi_row]);
                     wgmma_wait<0>();
                     if (h == HALVES - 1 && lane == 0) {  // the stage is read: free it in every CTA it was loaded for
                         if (CLUSTER_M == 1) mbar_arrive(&empty[s]);
