@@ -89,14 +89,34 @@ static_assert(BN == 128 || BN == 256, "one or two 128-column halves");
 #endif
 static_assert(PARTIALS == 1 || (PARTIALS == 2 && BN == 128), "two partials fit the registers at BN 128 only");
 #ifndef PROMOTE_TIMING
-#define PROMOTE_TIMING 0  // TIMING ONLY, WRONG RESULTS (scripts/fp8_block_variants.py; one partial): the
-#endif                    // promotion as 1: acc += p (FADD), 3: acc += p * constant
+#define PROMOTE_TIMING 0  // TIMING ONLY, WRONG RESULTS (scripts/fp8_block_variants.py): the promotion
+#endif                    // as 1: acc += p (FADD), 3: acc += p * constant
 
 static_assert(BN % (8 * CLUSTER_M) == 0, "each CTA of a cluster loads an equal share of B's rows");
 
 // A 128-byte-swizzled K-major tile of e4m3 (rows of 128 values); the k-th 32-wide slice starts 32 bytes in.
 __device__ __forceinline__ u64 fp8_desc(const unsigned char* tile, int kslice) {
     return smem_desc(tile + 32 * kslice, 16, 1024);
+}
+
+// The promotion of one 128-column half: acc += partial * (sa[row] * sb), the factor lo for this
+// thread's upper row and hi for the row 8 below (register 4i + 2r + e: row 16 warp + lane/4 + 8r).
+__device__ __forceinline__ void promote(float (&acc)[64], const float (&partial)[64], float lo, float hi) {
+#if PROMOTE_TIMING == 0
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        acc[4 * i] = fmaf(partial[4 * i], lo, acc[4 * i]);
+        acc[4 * i + 1] = fmaf(partial[4 * i + 1], lo, acc[4 * i + 1]);
+        acc[4 * i + 2] = fmaf(partial[4 * i + 2], hi, acc[4 * i + 2]);
+        acc[4 * i + 3] = fmaf(partial[4 * i + 3], hi, acc[4 * i + 3]);
+    }
+#elif PROMOTE_TIMING == 1
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] += partial[i];
+#elif PROMOTE_TIMING == 3
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = fmaf(partial[i], 1.0009765625f, acc[i]);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
@@ -203,6 +223,12 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
         // this thread's two accumulator rows (16 warp + lane / 4 of its 64, and 8 below): their places in
         // a stage's scale slot
         const int lo_row = consumer * 64 + 16 * warp + lane / 4, hi_row = lo_row + 8;
+        auto release = [&](int s) {  // this warp has read stage s: free it in every CTA it was loaded for
+            if (lane != 0) return;
+            if (CLUSTER_M == 1) mbar_arrive(&empty[s]);
+            else
+                for (int r = 0; r < CLUSTER_M; ++r) mbar_arrive_cluster(&empty[s], r);
+        };
         for (int job = first_job; job < jobs; job += job_stride) {
             int cm, tn;
             tile_coords(job, cluster_rows, tiles_n, GROUP_M, cm, tn);
@@ -231,19 +257,9 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
             auto retire = [&](const float(&p)[64]) {
                 const float* scales = scale_ring + retire_slot * HALVES * BM;
                 const float lo = lds_f32(&scales[lo_row]), hi = lds_f32(&scales[hi_row]);
-                if (lane == 0) {
-                    if (CLUSTER_M == 1) mbar_arrive(&empty[retire_slot]);
-                    else
-                        for (int r = 0; r < CLUSTER_M; ++r) mbar_arrive_cluster(&empty[retire_slot], r);
-                }
+                release(retire_slot);
                 next(retire_slot);
-#pragma unroll
-                for (int i = 0; i < 16; ++i) {
-                    acc[0][4 * i] = fmaf(p[4 * i], lo, acc[0][4 * i]);
-                    acc[0][4 * i + 1] = fmaf(p[4 * i + 1], lo, acc[0][4 * i + 1]);
-                    acc[0][4 * i + 2] = fmaf(p[4 * i + 2], hi, acc[0][4 * i + 2]);
-                    acc[0][4 * i + 3] = fmaf(p[4 * i + 3], hi, acc[0][4 * i + 3]);
-                }
+                promote(acc[0], p, lo, hi);
             };
             float p0[64], p1[64];
             issue(p0);
@@ -287,26 +303,8 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
                             lo[g] = lds_f32(&scale_ring[(s * HALVES + g) * BM + lo_row]),
                             hi[g] = lds_f32(&scale_ring[(s * HALVES + g) * BM + hi_row]);
                     wgmma_wait<0>();
-                    if (h == HALVES - 1 && lane == 0) {  // the stage is read: free it in every CTA it was loaded for
-                        if (CLUSTER_M == 1) mbar_arrive(&empty[s]);
-                        else
-                            for (int r = 0; r < CLUSTER_M; ++r) mbar_arrive_cluster(&empty[s], r);
-                    }
-#if PROMOTE_TIMING == 0
-#pragma unroll
-                    for (int i = 0; i < 16; ++i) {  // the promotion; register 4i + 2r + e: row 16 warp + lane/4 + 8r
-                        acc[h][4 * i] = fmaf(partial[4 * i], lo[h], acc[h][4 * i]);
-                        acc[h][4 * i + 1] = fmaf(partial[4 * i + 1], lo[h], acc[h][4 * i + 1]);
-                        acc[h][4 * i + 2] = fmaf(partial[4 * i + 2], hi[h], acc[h][4 * i + 2]);
-                        acc[h][4 * i + 3] = fmaf(partial[4 * i + 3], hi[h], acc[h][4 * i + 3]);
-                    }
-#elif PROMOTE_TIMING == 1
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) acc[h][i] += partial[i];
-#elif PROMOTE_TIMING == 3
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) acc[h][i] = fmaf(partial[i], 1.0009765625f, acc[h][i]);
-#endif
+                    if (h == HALVES - 1) release(s);
+                    promote(acc[h], partial, lo[h], hi[h]);
                 }
             }
 #endif
