@@ -37,18 +37,14 @@ def best_kernel(m: int, n: int, k: int, sms: int = 132) -> tuple[int, dict[str, 
       8192^3, 0.98-1.02x over the M = 4096 Llama-3 projections, where rung 5 is no faster
       (0.99-1.02x). Short K went to rung 6 before the overlap; rung 4 now wins there too
       (12608 x 3072 x 1024: 1.08x against 1.01x) but for 8192 x 2304 x 768 (1.03x against 1.07x)."""
-    from kforge.kernels.gemm_bf16 import NARROW_TILE, SPLIT_K_VARIANT
-
-    def fill(width: int) -> float:  # the share of the SMs busy, over all waves of 128 x width tiles
-        tiles = -(-m // 128) * -(-n // width)
-        return tiles / (-(-tiles // sms) * sms)
+    from kforge.kernels.gemm_bf16 import NARROW_TILE, SPLIT_K_VARIANT, narrow_tile_fills_better, wave_fill
 
     tiles = -(-m // 128) * -(-n // 256)
     if 2 * tiles <= sms:
         return 4, dict(SPLIT_K_VARIANT)
-    if fill(192) > 1.15 * fill(256):
+    if narrow_tile_fills_better(m, n, sms):
         return 4, dict(NARROW_TILE)
-    if fill(256) < 0.75:
+    if wave_fill(m, n, 256, sms) < 0.75:
         return 6, {}
     if n >= 32768 and k <= 1024 and tiles >= 2 * sms:  # (a cluster pairs two row tiles)
         return 5, {}

@@ -139,6 +139,20 @@ TALL_TILE = {"BM": 256, "BN": 128, "WG_ROWS": 128}
 NARROW_TILE = {"BN": 192}
 
 
+def wave_fill(m: int, n: int, block_n: int, sms: int) -> float:
+    """The share of the SMs busy over all waves of 128 x block_n tiles of an M x N output."""
+    tiles = _cdiv(m, 128) * _cdiv(n, block_n)
+    return tiles / (_cdiv(tiles, sms) * sms)
+
+
+def narrow_tile_fills_better(m: int, n: int, sms: int) -> bool:
+    """Whether 128 x 192 tiles (NARROW_TILE) leave at least 15% fewer SMs idle than 128 x 256:
+    where the narrow tile wins (the plain GEMM, kforge.ops.matmul.best_kernel; the NORM_A
+    prefill, norm_qkv.prefill_tile_width). Below that margin 128 x 256's fewer, larger tiles
+    are the faster."""
+    return wave_fill(m, n, 192, sms) > 1.15 * wave_fill(m, n, 256, sms)
+
+
 def auto_splits(tiles: int, resident_ctas: int, k_tiles: int) -> int:
     """Split-K factor for `tiles` output tiles on `resident_ctas` resident CTAs: none while
     the tiles alone fill at least half the SMs; else enough splits to fill them, each split

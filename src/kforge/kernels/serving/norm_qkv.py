@@ -234,11 +234,9 @@ def prefill_tile_width(m: int, n: int, sms: int) -> int:
     benchmarks/notes/2026-11-26-session13): M = 512 at N = 6144, 96 tiles of 256 on 132 SMs
     against 128 of 192, 49.1 -> 44.0 us; M = 1024, 95.8 -> 85.4; M = 512 at N = 10240, 179
     -> 162; M = 1024 at N = 10240 (81% and 82% full) 266 against 311: 256 kept."""
-    def fill(width: int) -> float:
-        tiles = -(-m // 128) * -(-n // width)
-        return tiles / (-(-tiles // sms) * sms)
+    from kforge.kernels.gemm_bf16 import narrow_tile_fills_better
 
-    return 192 if fill(192) > 1.15 * fill(256) else 256
+    return 192 if narrow_tile_fills_better(m, n, sms) else 256
 
 
 def _prefill(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weight: torch.Tensor, eps: float,
