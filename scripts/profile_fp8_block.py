@@ -5,8 +5,7 @@ each at issue 8's shape (M=4096, N=7168, K=16384):
         env PYTHONPATH=src python scripts/profile_fp8_block.py [ours] [rowwise]
 
 Compiled and warmed up first; only the launches between cudaProfilerStart and Stop are
-profiled: ours with 128 x 256 tiles, ours with 128 x 128 tiles and two partials, then
-torch._scaled_mm rowwise (or only those named). Run by
+profiled: ours with 128 x 256 tiles, then torch._scaled_mm rowwise (or only those named). Run by
 scripts/gpu_check.sh (PARTS=profile-fp8), which prints the report's key sections; with only
 "ours", scripts/ncu_sass_stalls.py reads its per-instruction stall samples.
 """
@@ -28,7 +27,6 @@ def main():
     (ra, rsa), (rb, rsb) = quantize_fp8_rowwise(x), quantize_fp8_rowwise(w)
     calls = {
         "ours": lambda: fp8_block_gemm(a, b, sa, sb, block_n=256),
-        "ours128p2": lambda: fp8_block_gemm(a, b, sa, sb, block_n=128, partials=2),
         "rowwise": lambda: torch._scaled_mm(ra, rb.t(), scale_a=rsa, scale_b=rsb.reshape(1, n),
                                             out_dtype=torch.bfloat16),
     }

@@ -1,7 +1,7 @@
 """The block-scaled FP8 GEMM in CUDA (`kernels/quant/fp8_block_gemm.cu`).
 
 On any machine: the source compiled for sm_90a has the fp8 tensor-core instruction (QGMMA
-on e4m3) four times a chain (one 128-deep K block), the waits each form needs, no spills, no
+on e4m3) four times a half (one 128-deep K block), one wgmma wait a half, no spills, no
 wgmma serialized by ptxas, and no global loads between the chains (the scales come through
 shared memory); the ring fits shared memory; bad inputs are refused with one
 line. On a GPU: odd shapes and tails against float64 into NaN-poisoned outputs, every ring
@@ -23,11 +23,11 @@ from test_fp8_gemm import BF16_STEP, GPU_PROMOTED, assert_close, exact, quantize
 
 
 @pytest.mark.parametrize("cluster", [1, 2])
-@pytest.mark.parametrize("block_n, partials", [(128, 1), (256, 1), (128, 2)])
-def test_the_kernel_compiles_to_fp8_wgmma_without_serialization_or_spills(block_n, partials, cluster):
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_the_kernel_compiles_to_fp8_wgmma_without_serialization_or_spills(block_n, cluster):
     from kforge.runtime.cuda import compile_cuda, resources, sass
 
-    defines = {"BN": block_n, "STAGES": DEEPEST[block_n], "CLUSTER_M": cluster, "PARTIALS": partials}
+    defines = {"BN": block_n, "STAGES": DEEPEST[block_n], "CLUSTER_M": cluster}
     cubin = compile_cuda(SOURCE, arch="sm_90a", defines=defines)
     used = resources(cubin)["fp8_block_gemm"]
     assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0)
@@ -35,18 +35,11 @@ def test_the_kernel_compiles_to_fp8_wgmma_without_serialization_or_spills(block_
     # and waited after every instruction
     assert "C7514" not in cubin.ptxas_log and "C7517" not in cubin.ptxas_log, cubin.ptxas_log
     code = sass(cubin)
-    chains = len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3\b", code))
-    waits = re.findall(r"\bWARPGROUP\.DEPBAR\.LE gsb0, (0x[01])", code)
-    if partials == 1:
-        halves = block_n // 128
-        assert chains == 4 * halves, "a K block: 4 x k32 a half"
-        assert waits == ["0x0"] * halves, "one wait for all a half, before its promotion"
-    else:
-        # the chain issued at four places (first block, the two of the unrolled pair, the odd last
-        # one); in the loop each wait leaves the newer chain running (<= 1) while the older is promoted
-        assert chains == 4 * 4
-        assert waits.count("0x1") >= 3 and 1 <= waits.count("0x0") <= 2, waits
-    assert len(re.findall(r"\bFFMA\b", code)) >= 64 * block_n // 128, "the promotion: acc += partial * scale"
+    halves = block_n // 128
+    assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3\b", code)) == 4 * halves, "a K block: 4 x k32 a half"
+    assert re.findall(r"\bWARPGROUP\.DEPBAR\.LE gsb0, (0x[01])", code) == ["0x0"] * halves, \
+        "one wait for all a half, before its promotion"
+    assert len(re.findall(r"\bFFMA\b", code)) >= 64 * halves, "the promotion: acc += partial * scale"
     # the consumers read their scales from the stage's slot; only the producer's loaders go to global
     # memory (ptxas lays the consumers' branch out first: everything up to the last chain is theirs)
     consumers = code[:code.rindex("QGMMA")]
@@ -64,8 +57,6 @@ def test_the_default_ring_is_the_deepest_that_fits_and_deeper_is_refused():
         fp8_block_gemm(a, b, sa, sb, block_n=192)
     with pytest.raises(ValueError, match="bytes of shared memory; at most"):
         fp8_block_gemm(a, b, sa, sb, block_n=256, stages=5)
-    with pytest.raises(ValueError, match="partials must be 1, or 2 at block_n 128"):
-        fp8_block_gemm(a, b, sa, sb, block_n=256, partials=2)
 
 
 def test_inputs_the_kernel_cannot_take_are_refused_with_one_line():
@@ -79,17 +70,16 @@ def test_inputs_the_kernel_cannot_take_are_refused_with_one_line():
 # --- on the GPU ----------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n, stages, cluster, partials", [
-    (128, 4, 1, 1), (128, 6, 1, 1), (256, 3, 1, 1), (256, 4, 1, 1), (128, 6, 2, 1), (256, 3, 2, 1), (256, 4, 2, 1),
-    (128, 6, 1, 2), (128, 2, 1, 2), (128, 6, 2, 2), (128, 5, 1, 1)])
+@pytest.mark.parametrize("block_n, stages, cluster", [(128, 4, 1), (128, 5, 1), (128, 6, 1), (256, 3, 1), (256, 4, 1),
+                                                     (128, 6, 2), (256, 3, 2), (256, 4, 2)])
 @pytest.mark.parametrize("m, n, k", [(1, 8, 128), (67, 520, 1152), (333, 200, 4096), (256, 384, 256),
                                      (1000, 1032, 2048)])
-def test_matches_float64_on_odd_shapes(m, n, k, block_n, stages, cluster, partials, nan_outputs):
+def test_matches_float64_on_odd_shapes(m, n, k, block_n, stages, cluster, nan_outputs):
     """M and N tails inside a tile (1, 67, 333, 1000 rows; 8, 200, 520, 1032 columns), a single
-    K block, more tiles than SMs (1000 x 1032: 8 x 9 = 72 tiles, fewer; 2048 K: 16 blocks); with
-    two partials, K blocks 1 (only the first), 2 (the pair's tail), 9 (the odd last block), 32."""
+    K block, more tiles than SMs (1000 x 1032: 8 x 9 = 72 tiles, fewer; 2048 K: 16 blocks); ring
+    depths with 1, 2 and 3 scale loaders (5, 4 and 3 or 6 stages)."""
     a, b, sa, sb = quantized(m, n, k, "block", device="cuda", seed=m + n)
-    got = fp8_block_gemm(a, b, sa, sb, block_n=block_n, stages=stages, cluster=cluster, partials=partials)
+    got = fp8_block_gemm(a, b, sa, sb, block_n=block_n, stages=stages, cluster=cluster)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     assert_close(got, exact(a, b, sa, sb, "block"), BF16_STEP + GPU_PROMOTED, GPU_PROMOTED)
 
@@ -106,8 +96,8 @@ def test_many_tiles_and_every_scale_layout(nan_outputs):
     want = exact(a, b, sa, sb, "block")
     row_a, row_b = sa[:, :1].expand(-1, k // 128), sb[:, :1].expand(-1, k // 128)
     assert row_a.stride(1) == 0
-    for block_n, cluster, partials in ((128, 1, 1), (256, 1, 1), (256, 2, 1), (128, 2, 2)):
-        tile = dict(block_n=block_n, cluster=cluster, partials=partials)
+    for block_n, cluster in ((128, 1), (256, 1), (256, 2), (128, 2)):
+        tile = dict(block_n=block_n, cluster=cluster)
         assert_close(fp8_block_gemm(a, b, sa, sb, **tile), want, BF16_STEP + GPU_PROMOTED, GPU_PROMOTED)
         m_major = sa.t().contiguous().t()
         assert_close(fp8_block_gemm(a, b, m_major, sb, **tile), want, BF16_STEP + GPU_PROMOTED, GPU_PROMOTED)
@@ -124,14 +114,13 @@ def test_at_the_deepgemm_shape_matches_float64_and_its_speed_is_printed():
     m, n, k = 4096, 7168, 16384
     a, b, sa, sb = quantized(m, n, k, "block", device="cuda")
     want = exact(a, b, sa, sb, "block")
-    for block_n, cluster, partials in ((128, 1, 1), (256, 1, 1), (256, 2, 1), (128, 1, 2), (128, 2, 2)):
-        assert_close(fp8_block_gemm(a, b, sa, sb, block_n=block_n, cluster=cluster, partials=partials), want, BF16_STEP + GPU_PROMOTED,
+    for block_n, cluster in ((128, 1), (256, 1), (256, 2)):
+        assert_close(fp8_block_gemm(a, b, sa, sb, block_n=block_n, cluster=cluster), want, BF16_STEP + GPU_PROMOTED,
                      GPU_PROMOTED)
     ra, rb, rsa, rsb = quantized(m, n, k, "row", device="cuda")
     runs = {"CUDA block 128": lambda: fp8_block_gemm(a, b, sa, sb, block_n=128, cluster=1),
             "CUDA block 256": lambda: fp8_block_gemm(a, b, sa, sb, cluster=1),
             "CUDA block 256 x2": lambda: fp8_block_gemm(a, b, sa, sb),
-            "CUDA block 128 x2 p2": lambda: fp8_block_gemm(a, b, sa, sb, block_n=128, partials=2),
             "Triton block": lambda: fp8_gemm(a, b, sa, sb, prefer_cuda=False),
             "_scaled_mm row": lambda: torch._scaled_mm(ra, rb.t(), scale_a=rsa, scale_b=rsb.reshape(1, n),
                                                        out_dtype=torch.bfloat16)}

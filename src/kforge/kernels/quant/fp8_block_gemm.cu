@@ -13,10 +13,8 @@
 // barrier after every promotion, so the tensor cores idle while both promote (0.63x
 // torch._scaled_mm rowwise, 886 TFLOP/s at 4096 x 7168 x 16384). Here the two consumer
 // warpgroups run free of each other: while one promotes, the other's chain runs.
-// PARTIALS = 2 (BN 128): each consumer issues block j+1's chain into a second partial before it
-// waits for block j's and promotes it (`wgmma.wait_group 1`), so its own next chain runs under
-// its promotion too. (An earlier version of this found ptxas serializing every wgmma, C7514;
-// written as a loop unrolled by two, one partial each, it does not: the build test checks.)
+// A second partial (block j+1's chain issued before block j is promoted) fits the registers only
+// at BN 128, and measured slower there than one partial (see the history below).
 //
 // Where the scales come from. The producer warpgroup's three idle warps load each K block's
 // sa for the tile's 128 rows and its sb, and store the products sa[row] * sb into the stage's
@@ -26,7 +24,7 @@
 // and their latency sat in the consumers' path between chains.
 //
 // Tile 128 x BN x 128 bytes. BN = 128: a stage is 16 + 16 KB (+ 512 B of scales), 6 stages;
-// registers 64 (acc) + 64 (partial) [+ 64]. BN = 256: the two 128-column halves (one sb block
+// registers 64 (acc) + 64 (partial). BN = 256: the two 128-column halves (one sb block
 // each) take turns in the one partial, acc is 2 x 64; a stage is 16 + 32 KB (+ 1 KB), 4
 // stages: A is read once per 256 columns. The epilogue goes out in 64 x 64 quarters through
 // one 8 KB buffer a consumer. Registers: the producer warpgroup 56 (the loaders), the
@@ -47,7 +45,8 @@
 // scale loads, 1364-1386 (0.98x); with the loaded factors kept in registers but no loads after
 // the first block, 1350. Hence the scales through shared memory: BN 256 with clusters of two
 // 1289-1346 (0.93-0.94x; through `kforge bench quant` 1370, 0.95x), now the default; BN 128 with
-// two partials 1180-1233 (0.85-0.86x). At BN 256 the timing-only promotion (acc += p) runs at
+// two partials 1144-1233 (0.81-0.86x) against one partial's 1198 (0.84x, no cluster): the second
+// partial was dropped (its code is in the notes' two-partials-not-kept.patch). At BN 256 the timing-only promotion (acc += p) runs at
 // 1416 (0.99x) against the exact one's 1341: what is left is the FFMA's per-row factor, a third
 // register operand (ncu, BN 128: every other promotion FFMA stalls on dispatch, the ones whose
 // factor ptxas does not take from its operand-reuse cache; a register-bank conflict, we read).
@@ -84,10 +83,6 @@
 #define SHARED_BYTES (STAGES * (STAGE_BYTES + SCALE_BYTES) + CONSUMERS * C_TILE_BYTES + 1024 + 2 * STAGES * 8)
 static_assert(SHARED_BYTES <= 227 * 1024, "fits one block's shared memory");
 static_assert(BN == 128 || BN == 256, "one or two 128-column halves");
-#ifndef PARTIALS
-#define PARTIALS 1  // 2: block kb + 1's chain is issued before block kb is promoted (BN 128 only)
-#endif
-static_assert(PARTIALS == 1 || (PARTIALS == 2 && BN == 128), "two partials fit the registers at BN 128 only");
 #ifndef PROMOTE_TIMING
 #define PROMOTE_TIMING 0  // TIMING ONLY, WRONG RESULTS (scripts/fp8_block_variants.py): the promotion
 #endif                    // as 1: acc += p (FADD), 3: acc += p * constant
@@ -237,52 +232,6 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
             for (int h = 0; h < HALVES; ++h)
 #pragma unroll
                 for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
-#if PARTIALS == 2
-            // The ring slot and phase of the next chain to issue and of the next to retire, carried
-            // (a division by STAGES = 6 each K block cost a dozen serial uniform instructions).
-            int issue_slot = it % STAGES, issue_phase = (it / STAGES) & 1, retire_slot = issue_slot;
-            auto next = [](int& slot) { return ++slot == STAGES ? (slot = 0, true) : false; };
-            // Block kb's chain into one partial, once its stage has landed.
-            auto issue = [&](float(&p)[64]) {
-                mbar_wait(&full[issue_slot], issue_phase);
-                const u32 a = a_lo + issue_slot * STAGE_STEP, b = b_lo + issue_slot * STAGE_STEP;
-                wgmma_fence();
-#pragma unroll
-                for (int ks = 0; ks < BK / 32; ++ks)
-                    wgmma_m64n128k32_e4m3(p, desc_of(a + ks * K_STEP), desc_of(b + ks * K_STEP), ks > 0);
-                wgmma_commit();
-                if (next(issue_slot)) issue_phase ^= 1;
-            };
-            // The oldest chain in flight has completed: read its stage's scales, free the stage, promote.
-            auto retire = [&](const float(&p)[64]) {
-                const float* scales = scale_ring + retire_slot * HALVES * BM;
-                const float lo = lds_f32(&scales[lo_row]), hi = lds_f32(&scales[hi_row]);
-                release(retire_slot);
-                next(retire_slot);
-                promote(acc[0], p, lo, hi);
-            };
-            float p0[64], p1[64];
-            issue(p0);
-            int kb = 0;
-            for (; kb + 2 < k_blocks; kb += 2) {  // p0 holds block kb in flight
-                issue(p1);
-                wgmma_wait<1>();
-                retire(p0);
-                issue(p0);
-                wgmma_wait<1>();
-                retire(p1);
-            }
-            if (kb + 1 < k_blocks) {
-                issue(p1);
-                wgmma_wait<1>();
-                retire(p0);
-                wgmma_wait<0>();
-                retire(p1);
-            } else {
-                wgmma_wait<0>();
-                retire(p0);
-            }
-#else
             float partial[64];
             for (int kb = 0; kb < k_blocks; ++kb) {
                 const int s = (it + kb) % STAGES;
@@ -307,7 +256,6 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
                     promote(acc[h], partial, lo[h], hi[h]);
                 }
             }
-#endif
             it += k_blocks;
 
             // Epilogue, 64 columns at a time: wait until the buffer's last store has read it, fill it, store it.

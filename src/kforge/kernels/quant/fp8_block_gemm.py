@@ -76,25 +76,20 @@ class _Plan:
 
 SHARED_LIMIT = 227 * 1024
 DEEPEST = {block_n: max(s for s in range(2, 12) if shared_bytes(s, block_n) <= SHARED_LIMIT) for block_n in (128, 256)}
-_KERNELS: dict[tuple[int, int, int, int], CudaKernel] = {}
+_KERNELS: dict[tuple[int, int, int], CudaKernel] = {}
 _PLANS: dict[tuple, _Plan] = {}
 
 
 def fp8_block_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, *,
-                   block_n: int = 256, stages: int | None = None, cluster: int = 2,
-                   partials: int = 1) -> torch.Tensor:
+                   block_n: int = 256, stages: int | None = None, cluster: int = 2) -> torch.Tensor:
     """C [M, N] bf16 = the block-scaled product of fp8 e4m3 a [M, K] and b [N, K] (module docstring).
     The defaults are the fastest measured (the `.cu` header): block_n, the tile's columns, 256
     (or 128); `stages`, the ring depth, the deepest that fits shared memory; `cluster`, 2 CTAs
-    on consecutive row tiles sharing each load of B by TMA multicast (or 1); `partials`, 2 to
-    issue each K block's chain before the previous block is promoted (block_n 128 only: two
-    partial accumulators fit its registers)."""
+    on consecutive row tiles sharing each load of B by TMA multicast (or 1)."""
     if block_n not in DEEPEST:
         raise ValueError(f"block_n must be one of {tuple(DEEPEST)}, got {block_n}")
     if cluster not in (1, 2):
         raise ValueError(f"cluster must be 1 or 2, got {cluster}")
-    if partials not in (1, 2) or (partials == 2 and block_n != 128):
-        raise ValueError(f"partials must be 1, or 2 at block_n 128; got {partials} at block_n {block_n}")
     stages = stages or DEEPEST[block_n]
     if shared_bytes(stages, block_n) > SHARED_LIMIT:
         raise ValueError(f"{stages} stages of 128 x {block_n} tiles need {shared_bytes(stages, block_n)} bytes of "
@@ -105,12 +100,12 @@ def fp8_block_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
     if m == 0 or n == 0:
         return c
     variant = (stages, block_n, cluster)
-    kernel = _KERNELS.get((*variant, partials))
+    kernel = _KERNELS.get(variant)
     if kernel is None:
-        kernel = _KERNELS[(*variant, partials)] = CudaKernel.from_file(SOURCE, "fp8_block_gemm", defines={
-            "STAGES": stages, "BN": block_n, "CLUSTER_M": cluster, "PARTIALS": partials})
+        kernel = _KERNELS[variant] = CudaKernel.from_file(SOURCE, "fp8_block_gemm", defines={
+            "STAGES": stages, "BN": block_n, "CLUSTER_M": cluster})
     index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    key = (m, n, k, *variant, partials, index, get_ident())  # a plan's launch object is not shared between threads
+    key = (m, n, k, *variant, index, get_ident())  # a plan's launch object is not shared between threads
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _Plan(kernel, *variant, m, n, k, index)
