@@ -42,7 +42,7 @@ TALL = gemm_bf16.TALL_TILE
 TILES = [("rung 5", 5, {}), ("rung 4 256 x 128", 4, TALL), ("rung 5 256 x 128", 5, TALL),
          ("rung 4 256 x 128 GROUP_M 16", 4, dict(TALL, GROUP_M=16))]
 LLM = [("rung 5", 5, {})]
-NARROW = [("rung 6", 6, {}), ("rung 4 split-K auto", 4, SPLIT), ("rung 4 128 x 192", 4, {"BN": 192})]
+NARROW = [("rung 6", 6, {}), ("rung 4 split-K auto", 4, SPLIT), ("rung 4 128 x 192", 4, gemm_bf16.NARROW_TILE)]
 SPREAD = [("rung 5", 5, {}), ("rung 4 epilogue after the k-loop", 4, gemm_bf16.EPILOGUE_AFTER_KLOOP),
           ("rung 4 a slice every k-tile", 4, {"EPI_SPREAD": 1}), ("rung 4 a slice every 4 k-tiles", 4, {"EPI_SPREAD": 4})]
 

@@ -76,7 +76,6 @@ from kforge.kernels.serving.gemv import DTYPES, MAX_BATCH, launch_gemv
 
 DECODE_ROWS = MAX_BATCH  # up to this many rows take the GEMV kernel
 PREFILL_DEFINES = {"GROUP_M": 16}  # rung 4's NORM_A build at prefill (see _prefill_on_ladder)
-PREFILL_NARROW_DEFINES = {"BN": 192}  # ... on 128 x 192 tiles, where 128 x 256 would leave SMs idle
 
 
 @triton.jit
@@ -221,7 +220,7 @@ def _prefill_on_ladder(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_we
 
     gamma = norm_weight if norm_weight is not None else torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    defines = PREFILL_NARROW_DEFINES if prefill_tile_width(x.shape[0], qkv_weight.shape[0], sms) == 192 \
+    defines = gemm_bf16.NARROW_TILE if prefill_tile_width(x.shape[0], qkv_weight.shape[0], sms) == 192 \
         else PREFILL_DEFINES
     return gemm_bf16.gemm(x, qkv_weight, 4, b_layout="nk", defines=defines, norm_weight=gamma, norm_eps=eps)
 
