@@ -5,9 +5,13 @@ interleaved rounds, medians), at issue 8's shape unless given:
     PYTHONPATH=src python scripts/fp8_block_variants.py [M N K] [rounds]
 
 Every variant is first checked against the Triton kernel's output (same numbers, both
-promoted every 128 K: they agree to a bf16 step or two).
+promoted every 128 K: they agree to a bf16 step or two). Beside the tile variants: the default
+tile with its promotion's FFMA yield and reuse bits rewritten in the cubin
+(`runtime/sass_control.py`, styles "reuse" and "yield"), and timing-only builds that replace
+the promotion (PROMOTE_TIMING in the .cu: wrong results, a bound on what the promotion costs).
 """
 
+import itertools
 import sys
 
 import kforge  # noqa: F401  (before triton)
@@ -19,6 +23,7 @@ from kforge.kernels.quant.fp8_block_gemm import fp8_block_gemm
 from kforge.kernels.quant.fp8_gemm import fp8_gemm
 
 VARIANTS = [(128, 6, 1), (128, 6, 2), (256, 4, 1), (256, 4, 2), (256, 3, 2)]  # block_n, stages, cluster
+STYLED = [(256, 4, 2)]  # also built with the promotion's control bits rewritten (runtime/sass_control.py)
 
 
 def main():
@@ -39,9 +44,25 @@ def main():
         print(f"{name}: max |CUDA - Triton| / max |C| = {error:.1e}")
         if error < 2e-2:
             fns[name] = call
-    # Timing only, wrong results: how much of the time the promotion's form costs (the .cu's PROMOTE_TIMING)
     from kforge.kernels.quant import fp8_block_gemm as module
-    from kforge.runtime.cuda import CudaKernel
+    from kforge.runtime import sass_control
+    from kforge.runtime.cuda import CudaKernel, compile_cuda
+    for (block_n, stages, cluster), style in itertools.product(STYLED, sass_control.STYLES[1:]):
+        cubin = compile_cuda(module.SOURCE, defines={"STAGES": stages, "BN": block_n, "CLUSTER_M": cluster})
+        kernel = CudaKernel(sass_control.rewrite_promotion(cubin, "fp8_block_gemm", style), "fp8_block_gemm")
+        plan = module._Plan(kernel, stages, block_n, cluster, m, n, k, torch.cuda.current_device())
+
+        def styled(plan=plan):
+            c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            plan(a, b, c, sa, sb)
+            return c
+
+        name = f"CUDA block BN={block_n} stages={stages} cluster={cluster} promotion {style}"
+        error = ((styled().float() - want).abs().max() / want.abs().max()).item()
+        print(f"{name}: max |CUDA - Triton| / max |C| = {error:.1e}")
+        if error < 2e-2:
+            fns[name] = styled
+    # Timing only, wrong results: how much of the time the promotion's form costs (the .cu's PROMOTE_TIMING)
     for promote, what in ((1, "acc += p"), (3, "acc += p * constant")):
         kernel = CudaKernel.from_file(module.SOURCE, "fp8_block_gemm", defines={
             "STAGES": 4, "BN": 256, "CLUSTER_M": 2, "PROMOTE_TIMING": promote})

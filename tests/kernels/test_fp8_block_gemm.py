@@ -106,6 +106,27 @@ def test_many_tiles_and_every_scale_layout(nan_outputs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("style", ["reuse", "yield"])
+def test_the_promotion_with_its_control_bits_rewritten_computes_the_same(style):
+    """runtime/sass_control.py's rewrites of the promotion's yield and reuse bits (the variants
+    script times them) change the schedule, never the numbers: bit for bit the compiled kernel's
+    output, and float64's within the usual bound, on tails and 16 K blocks."""
+    from kforge.kernels.quant import fp8_block_gemm as module
+    from kforge.runtime import sass_control
+    from kforge.runtime.cuda import CudaKernel, compile_cuda
+
+    m, n, k = 1000, 1032, 2048
+    a, b, sa, sb = quantized(m, n, k, "block", device="cuda", seed=7)
+    cubin = compile_cuda(module.SOURCE, defines={"STAGES": DEEPEST[256], "BN": 256, "CLUSTER_M": 2})
+    kernel = CudaKernel(sass_control.rewrite_promotion(cubin, "fp8_block_gemm", style), "fp8_block_gemm")
+    plan = module._Plan(kernel, DEEPEST[256], 256, 2, m, n, k, torch.cuda.current_device())
+    got = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    plan(a, b, got, sa, sb)
+    assert torch.equal(got, fp8_block_gemm(a, b, sa, sb, block_n=256, cluster=2))
+    assert_close(got, exact(a, b, sa, sb, "block"), BF16_STEP + GPU_PROMOTED, GPU_PROMOTED)
+
+
+@pytest.mark.gpu
 def test_at_the_deepgemm_shape_matches_float64_and_its_speed_is_printed():
     import triton
 

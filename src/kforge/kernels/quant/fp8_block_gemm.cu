@@ -46,12 +46,17 @@
 // the first block, 1350. Hence the scales through shared memory: BN 256 with clusters of two
 // 1289-1346 (0.93-0.94x; through `kforge bench quant` 1370, 0.95x), now the default; BN 128 with
 // two partials 1144-1233 (0.81-0.86x) against one partial's 1198 (0.84x, no cluster): the second
-// partial was dropped (its code is in the notes' two-partials-not-kept.patch). At BN 256 the timing-only promotion (acc += p) runs at
-// 1416 (0.99x) against the exact one's 1341: what is left is the FFMA's per-row factor, a third
-// register operand (ncu, BN 128: every other promotion FFMA stalls on dispatch, the ones whose
-// factor ptxas does not take from its operand-reuse cache; a register-bank conflict, we read).
-// Tried and not kept: three consumer warpgroups on
-// 192 x 128 tiles (152 registers each), 1125-1191 (patch in the notes).
+// partial was dropped (its code is in the notes' two-partials-not-kept.patch). At BN 256 the
+// timing-only promotion (acc += p) runs at 1416 (0.99x) against the exact one's 1341: what is left
+// is the FFMA's per-row factor, a third register operand (ncu, BN 128: every other promotion FFMA
+// stalls on dispatch, the ones whose factor ptxas does not take from its operand-reuse cache).
+// Tried and not kept: three consumer warpgroups on 192 x 128 tiles (152 registers each),
+// 1125-1191 (patch in the notes).
+// 2026-11-26 (session 15, benchmarks/notes/2026-11-26-session15): not a register-bank conflict.
+// With the promotion's control bits rewritten in the cubin (runtime/sass_control.py), every FFMA
+// taking its factor from the reuse cache runs at the compiled speed (0.93x against 0.93-0.94x) and
+// every FFMA yielding is slower (0.88-0.89x); a factor that is an immediate runs at 0.99x (1378-1406).
+// The scales read before the chains instead of under the first: 0.7-1.0% faster at BN 256, kept.
 #include "../gemm_bf16/hopper.cuh"
 
 #ifndef STAGES
@@ -237,7 +242,14 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
                 const int s = (it + kb) % STAGES;
                 mbar_wait(&full[s], ((it + kb) / STAGES) & 1);
                 const u32 a = a_lo + s * STAGE_STEP, b = b_lo + s * STAGE_STEP;
+                // The block's scales, read before its chains are issued: 0.7-1.0% faster at BN 256 than reading
+                // them under the first chain (session 15; our guess: there they wait behind the chain's
+                // shared-memory reads), 1.3% slower at BN 128 (not the default).
                 float lo[HALVES], hi[HALVES];
+#pragma unroll
+                for (int g = 0; g < HALVES; ++g)
+                    lo[g] = lds_f32(&scale_ring[(s * HALVES + g) * BM + lo_row]),
+                    hi[g] = lds_f32(&scale_ring[(s * HALVES + g) * BM + hi_row]);
 #pragma unroll
                 for (int h = 0; h < HALVES; ++h) {  // one 128-column half (one block of sb) at a time
                     wgmma_fence();
@@ -246,11 +258,6 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
                         wgmma_m64n128k32_e4m3(partial, desc_of(a + ks * K_STEP),
                                               desc_of(b + h * (128 * BK / 16) + ks * K_STEP), ks > 0);
                     wgmma_commit();
-                    if (h == 0)  // the block's scales, read under its first chain (and before the stage is freed)
-#pragma unroll
-                        for (int g = 0; g < HALVES; ++g)
-                            lo[g] = lds_f32(&scale_ring[(s * HALVES + g) * BM + lo_row]),
-                            hi[g] = lds_f32(&scale_ring[(s * HALVES + g) * BM + hi_row]);
                     wgmma_wait<0>();
                     if (h == HALVES - 1) release(s);
                     promote(acc[h], partial, lo[h], hi[h]);

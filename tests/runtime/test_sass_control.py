@@ -1,0 +1,105 @@
+"""Rewriting a kernel's scheduling control bits (`runtime/sass_control.py`), on a machine with no GPU.
+
+The block-scaled FP8 GEMM, compiled for sm_90a, is rewritten in each promotion style and
+disassembled again: exactly the FFMAs' yield and reuse bits change, every other bit of every
+instruction stays. That the rewritten kernels still compute the right numbers is checked on a
+GPU (tests/kernels/test_fp8_block_gemm.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from kforge.errors import KforgeError
+from kforge.kernels.quant.fp8_block_gemm import SOURCE
+from kforge.runtime import sass_control
+from kforge.runtime.cuda import compile_cuda
+
+KERNEL = "fp8_block_gemm"
+CONTROL = (1 << 45) | (0xF << 58)  # the yield bit and the four reuse flags of the high word
+
+
+@pytest.fixture(scope="module")
+def cubin():
+    return compile_cuda(SOURCE, arch="sm_90a", defines={"STAGES": 4, "BN": 256, "CLUSTER_M": 2})
+
+
+@pytest.fixture(scope="module")
+def listing(cubin):
+    return sass_control.instructions(cubin, KERNEL)
+
+
+def test_the_dump_matches_the_kernels_bytes_in_the_elf(cubin, listing):
+    offset, size = sass_control.text_section(cubin.code, KERNEL)
+    assert len(listing) * 16 == size
+    first, last = listing[0], listing[-1]
+    assert cubin.code[offset:offset + 16] == first.low.to_bytes(8, "little") + first.high.to_bytes(8, "little")
+    assert last.address == size - 16
+    assert sass_control.rewrite(cubin, KERNEL, [], "nothing").code == cubin.code
+
+
+def test_the_promotion_is_four_runs_of_ffmas_on_one_factor_each(listing):
+    """BN 256: two halves a K block, each 32 FFMAs on its upper row's factor and 32 on the lower's
+    (ptxas may interleave other instructions, which splits a run: a run shares one factor, in one
+    operand slot, with nothing between)."""
+    runs = sass_control.promotion_runs(listing)
+    assert sum(len(run) for _, run in runs) == 128
+    factors = {sass_control._multiplicands(run[0])[slot] for slot, run in runs}
+    assert len(factors) == 4
+    for slot, run in runs:
+        assert len({sass_control._multiplicands(i)[slot] for i in run}) == 1
+    assert max(len(run) for _, run in runs) == 32
+
+
+@pytest.mark.parametrize("style", ["reuse", "yield"])
+def test_a_rewrite_changes_only_the_ffmas_yield_and_reuse_bits(cubin, listing, style):
+    rewritten = sass_control.instructions(sass_control.rewrite_promotion(cubin, KERNEL, style), KERNEL)
+    assert len(rewritten) == len(listing)
+    changed = 0
+    for before, after in zip(listing, rewritten):
+        assert (before.address, before.low, before.high & ~CONTROL) == (after.address, after.low, after.high & ~CONTROL)
+        if before.opcode != "FFMA":
+            assert before.high == after.high, before.text
+        changed += before.high != after.high
+    assert changed >= 60, "ptxas leaves about half the FFMAs the other way"
+    ffmas = [i for i in rewritten if i.opcode == "FFMA"]
+    if style == "yield":
+        assert all(i.yields and i.reuse == 0 for i in ffmas)
+    else:
+        assert not any(i.yields for i in ffmas)
+        for slot, run in sass_control.promotion_runs(rewritten):
+            assert [i.reuse for i in run] == [1 << slot] * (len(run) - 1) + [0], [i.text for i in run]
+            assert all(".reuse" in i.text for i in run[:-1]), "cuobjdump reads the flag back on the factor"
+
+
+def test_ptxas_style_is_the_cubin_itself_and_unknown_styles_are_refused(cubin):
+    assert sass_control.rewrite_promotion(cubin, KERNEL, "ptxas") is cubin
+    with pytest.raises(KforgeError, match="promotion style"):
+        sass_control.rewrite_promotion(cubin, KERNEL, "fast")
+
+
+def test_a_rewritten_cubin_has_its_own_cache_key(cubin):
+    rewritten = sass_control.rewrite_promotion(cubin, KERNEL, "reuse")
+    assert rewritten.key != cubin.key and rewritten.code != cubin.code
+
+
+def test_an_instruction_that_yields_keeps_no_operand(listing):
+    ffma = next(i for i in listing if i.opcode == "FFMA")
+    with pytest.raises(KforgeError, match="cannot keep operands"):
+        ffma.with_control(yields=True, reuse=0b0010)
+    assert ffma.with_control(yields=False, reuse=0b0010).reuse == 0b0010
+
+
+def test_wrong_kernels_and_files_and_stale_dumps_are_refused(cubin, listing):
+    with pytest.raises(KforgeError, match="no kernel named"):
+        sass_control.instructions(cubin, "no_such_kernel")
+    with pytest.raises(KforgeError, match="no section"):
+        sass_control.text_section(cubin.code, "no_such_kernel")
+    with pytest.raises(KforgeError, match="ELF"):
+        sass_control.text_section(b"not an elf" * 8, KERNEL)
+    # an edit at an address past the kernel's end would land outside its code
+    outside = replace(listing[-1], address=listing[-1].address + 16)
+    with pytest.raises(KforgeError, match="outside"):
+        sass_control.rewrite(cubin, KERNEL, [outside], "outside")
