@@ -5,10 +5,11 @@ interleaved rounds, medians), at issue 8's shape unless given:
     PYTHONPATH=src python scripts/fp8_block_variants.py [M N K] [rounds]
 
 Every variant is first checked against the Triton kernel's output (same numbers, both
-promoted every 128 K: they agree to a bf16 step or two). Beside the tile variants: the default
-tile with its promotion's FFMA yield and reuse bits rewritten in the cubin
-(`runtime/sass_control.py`, styles "reuse" and "yield"), and timing-only builds that replace
-the promotion (PROMOTE_TIMING in the .cu: wrong results, a bound on what the promotion costs).
+promoted every 128 K: they agree to a bf16 step or two). The tile variants run with the
+default promotion scheduling (fp8_block_gemm.PROMOTION); beside them, the default tile with
+every other style of `runtime/sass_control.py` ("ptxas": as compiled), other raster groups
+(GROUP_M), and timing-only builds that replace the promotion (PROMOTE_TIMING in the .cu: wrong
+results, a bound on what the promotion costs).
 """
 
 import itertools
@@ -19,8 +20,9 @@ import torch
 
 from device_timing import median_ms
 from kforge.kernels.quant.formats import quantize_fp8_blockwise, quantize_fp8_rowwise
-from kforge.kernels.quant.fp8_block_gemm import fp8_block_gemm
+from kforge.kernels.quant.fp8_block_gemm import PROMOTION, fp8_block_gemm
 from kforge.kernels.quant.fp8_gemm import fp8_gemm
+from kforge.runtime import sass_control
 
 VARIANTS = [(128, 6, 1), (128, 6, 2), (256, 4, 1), (256, 4, 2), (256, 3, 2)]  # block_n, stages, cluster
 STYLED = [(256, 4, 2)]  # also built with the promotion's control bits rewritten (runtime/sass_control.py)
@@ -39,39 +41,47 @@ def main():
         def call(block_n=block_n, stages=stages, cluster=cluster):
             return fp8_block_gemm(a, b, sa, sb, block_n=block_n, stages=stages, cluster=cluster)
 
-        name = f"CUDA block BN={block_n} stages={stages} cluster={cluster}"
+        name = f"CUDA block BN={block_n} stages={stages} cluster={cluster} (promotion {PROMOTION})"
         error = ((call().float() - want).abs().max() / want.abs().max()).item()
         print(f"{name}: max |CUDA - Triton| / max |C| = {error:.1e}")
         if error < 2e-2:
             fns[name] = call
-    from kforge.kernels.quant import fp8_block_gemm as module
-    from kforge.runtime import sass_control
-    from kforge.runtime.cuda import CudaKernel, compile_cuda
-    for (block_n, stages, cluster), style in itertools.product(STYLED, sass_control.STYLES[1:]):
-        cubin = compile_cuda(module.SOURCE, defines={"STAGES": stages, "BN": block_n, "CLUSTER_M": cluster})
-        kernel = CudaKernel(sass_control.rewrite_promotion(cubin, "fp8_block_gemm", style), "fp8_block_gemm")
-        plan = module._Plan(kernel, stages, block_n, cluster, m, n, k, torch.cuda.current_device())
+    for (block_n, stages, cluster), style in itertools.product(STYLED, sass_control.STYLES):
+        if style == PROMOTION:
+            continue  # timed above
 
-        def styled(plan=plan):
-            c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            plan(a, b, c, sa, sb)
-            return c
+        def styled(block_n=block_n, stages=stages, cluster=cluster, style=style):
+            return fp8_block_gemm(a, b, sa, sb, block_n=block_n, stages=stages, cluster=cluster, promotion=style)
 
         name = f"CUDA block BN={block_n} stages={stages} cluster={cluster} promotion {style}"
         error = ((styled().float() - want).abs().max() / want.abs().max()).item()
         print(f"{name}: max |CUDA - Triton| / max |C| = {error:.1e}")
         if error < 2e-2:
             fns[name] = styled
-    # Timing only, wrong results: how much of the time the promotion's form costs (the .cu's PROMOTE_TIMING)
-    for promote, what in ((1, "acc += p"), (3, "acc += p * constant")):
-        kernel = CudaKernel.from_file(module.SOURCE, "fp8_block_gemm", defines={
-            "STAGES": 4, "BN": 256, "CLUSTER_M": 2, "PROMOTE_TIMING": promote})
+    # The default tile built with other defines: raster groups, and timing-only builds (wrong results) that
+    # bound what the promotion's form costs (PROMOTE_TIMING)
+    from kforge.kernels.quant import fp8_block_gemm as module
+    from kforge.runtime.cuda import CudaKernel, compile_cuda
+
+    def built(defines, name):
+        cubin = compile_cuda(module.SOURCE, defines={"STAGES": 4, "BN": 256, "CLUSTER_M": 2, **defines})
+        kernel = CudaKernel(sass_control.rewrite_promotion(cubin, "fp8_block_gemm", PROMOTION), "fp8_block_gemm")
         plan = module._Plan(kernel, 4, 256, 2, m, n, k, torch.cuda.current_device())
-        def timing_only(plan=plan):
+
+        def call():
             c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             plan(a, b, c, sa, sb)
             return c
-        fns[f"TIMING ONLY BN=256 cluster=2, promotion as {what}"] = timing_only
+
+        fns[name] = call
+        return call
+
+    for group_m in (4, 16):
+        call = built({"GROUP_M": group_m}, f"CUDA block BN=256 stages=4 cluster=2 GROUP_M={group_m}")
+        print(f"GROUP_M={group_m}: max |CUDA - Triton| / max |C| = "
+              f"{((call().float() - want).abs().max() / want.abs().max()).item():.1e}")
+    built({"PROMOTE_TIMING": 1}, "TIMING ONLY BN=256 cluster=2, promotion as acc += p")
+    built({"PROMOTE_TIMING": 3}, "TIMING ONLY BN=256 cluster=2, promotion as acc += p * constant")
     for fast in (False, True):
         fns[f"_scaled_mm rowwise{' fast' if fast else ''}"] = lambda fast=fast: torch._scaled_mm(
             ra, rb.t(), scale_a=rsa, scale_b=rsb.reshape(1, n), out_dtype=torch.bfloat16, use_fast_accum=fast)

@@ -65,6 +65,33 @@ def test_inputs_the_kernel_cannot_take_are_refused_with_one_line():
         check_fp8_block_gemm_inputs(a, b, sa, sb)
     with pytest.raises(ValueError, match="multiple of 128"):
         check_fp8_block_gemm_inputs(a[:, :200], b[:, :200], sa, sb)
+    with pytest.raises(ValueError, match="promotion must be one of"):
+        fp8_block_gemm(a, b, sa, sb, promotion="fastest")
+
+
+def test_the_kernel_is_loaded_with_its_promotion_rewritten_or_as_compiled_with_a_warning(monkeypatch):
+    """fp8_block_gemm's kernel: the compiled cubin with PROMOTION's scheduling bits; where the
+    rewrite cannot run (no cuobjdump), the compiled cubin itself, and a warning says so."""
+    from kforge.errors import KforgeError
+    from kforge.kernels.quant import fp8_block_gemm as module
+    from kforge.runtime import sass_control
+    from kforge.runtime.cuda import compile_cuda
+
+    monkeypatch.setattr(module, "compile_cuda", lambda source, defines: compile_cuda(source, arch="sm_90a",
+                                                                                     defines=defines))
+    monkeypatch.setattr(module, "_KERNELS", {})
+    rewritten = module.compiled_kernel(4, 256, 2)
+    assert rewritten.cubin.key.endswith(f"+promotion-{module.PROMOTION}")
+    assert module.compiled_kernel(4, 256, 2) is rewritten, "kept per variant"
+    assert module.compiled_kernel(4, 256, 2, "ptxas").cubin.key == rewritten.cubin.key.split("+")[0]
+
+    def unavailable(*args, **kwargs):
+        raise KforgeError("cuobjdump not found")
+
+    monkeypatch.setattr(sass_control, "rewrite_promotion", unavailable)
+    with pytest.warns(UserWarning, match="runs as compiled .*cuobjdump not found"):
+        fallback = module.compiled_kernel(4, 128, 2)
+    assert "+" not in fallback.cubin.key
 
 
 # --- on the GPU ----------------------------------------------------------------------------------
@@ -106,24 +133,22 @@ def test_many_tiles_and_every_scale_layout(nan_outputs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("style", ["reuse", "yield"])
-def test_the_promotion_with_its_control_bits_rewritten_computes_the_same(style):
-    """runtime/sass_control.py's rewrites of the promotion's yield and reuse bits (the variants
-    script times them) change the schedule, never the numbers: bit for bit the compiled kernel's
-    output, and float64's within the usual bound, on tails and 16 K blocks."""
-    from kforge.kernels.quant import fp8_block_gemm as module
-    from kforge.runtime import sass_control
-    from kforge.runtime.cuda import CudaKernel, compile_cuda
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_every_promotion_schedule_computes_the_same_bits(block_n):
+    """runtime/sass_control.py's rewrites of the promotion's yield and reuse bits (the default,
+    PROMOTION, and the others the variants script times) change the schedule, never the numbers:
+    bit for bit the kernel as ptxas compiled it, and float64's within the usual bound, on tails
+    and 16 K blocks."""
+    from kforge.kernels.quant.fp8_block_gemm import PROMOTION
+    from kforge.runtime.sass_control import STYLES
 
     m, n, k = 1000, 1032, 2048
     a, b, sa, sb = quantized(m, n, k, "block", device="cuda", seed=7)
-    cubin = compile_cuda(module.SOURCE, defines={"STAGES": DEEPEST[256], "BN": 256, "CLUSTER_M": 2})
-    kernel = CudaKernel(sass_control.rewrite_promotion(cubin, "fp8_block_gemm", style), "fp8_block_gemm")
-    plan = module._Plan(kernel, DEEPEST[256], 256, 2, m, n, k, torch.cuda.current_device())
-    got = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    plan(a, b, got, sa, sb)
-    assert torch.equal(got, fp8_block_gemm(a, b, sa, sb, block_n=256, cluster=2))
-    assert_close(got, exact(a, b, sa, sb, "block"), BF16_STEP + GPU_PROMOTED, GPU_PROMOTED)
+    compiled = fp8_block_gemm(a, b, sa, sb, block_n=block_n, promotion="ptxas")
+    assert_close(compiled, exact(a, b, sa, sb, "block"), BF16_STEP + GPU_PROMOTED, GPU_PROMOTED)
+    assert PROMOTION != "ptxas"
+    for style in STYLES:
+        assert torch.equal(fp8_block_gemm(a, b, sa, sb, block_n=block_n, promotion=style), compiled), style
 
 
 @pytest.mark.gpu

@@ -53,8 +53,8 @@ def test_the_promotion_is_four_runs_of_ffmas_on_one_factor_each(listing):
     assert max(len(run) for _, run in runs) == 32
 
 
-@pytest.mark.parametrize("style", ["reuse", "yield"])
-def test_a_rewrite_changes_only_the_ffmas_yield_and_reuse_bits(cubin, listing, style):
+@pytest.mark.parametrize("style, every", [("reuse", None), ("yield", 1), ("yield-every-4", 4)])
+def test_a_rewrite_changes_only_the_ffmas_yield_and_reuse_bits(cubin, listing, style, every):
     rewritten = sass_control.instructions(sass_control.rewrite_promotion(cubin, KERNEL, style), KERNEL)
     assert len(rewritten) == len(listing)
     changed = 0
@@ -63,15 +63,45 @@ def test_a_rewrite_changes_only_the_ffmas_yield_and_reuse_bits(cubin, listing, s
         if before.opcode != "FFMA":
             assert before.high == after.high, before.text
         changed += before.high != after.high
-    assert changed >= 60, "ptxas leaves about half the FFMAs the other way"
-    ffmas = [i for i in rewritten if i.opcode == "FFMA"]
-    if style == "yield":
-        assert all(i.yields and i.reuse == 0 for i in ffmas)
-    else:
-        assert not any(i.yields for i in ffmas)
-        for slot, run in sass_control.promotion_runs(rewritten):
-            assert [i.reuse for i in run] == [1 << slot] * (len(run) - 1) + [0], [i.text for i in run]
-            assert all(".reuse" in i.text for i in run[:-1]), "cuobjdump reads the flag back on the factor"
+    assert changed >= 30, "ptxas leaves about half the FFMAs the other way"
+    for slot, run in sass_control.promotion_runs(rewritten):
+        yields = [every is not None and i % every == every - 1 for i in range(len(run))]
+        assert [i.yields for i in run] == yields, [i.text for i in run]
+        kept = [0 if y or i == len(run) - 1 else 1 << slot for i, y in enumerate(yields)]
+        assert [i.reuse for i in run] == kept, [i.text for i in run]
+        assert [".reuse" in i.text for i in run] == [k != 0 for k in kept], "cuobjdump reads the flags back"
+
+
+def _ffma(address: int, text: str) -> sass_control.Instruction:
+    return sass_control.Instruction(address, text, 0, 1 << 45)
+
+
+def test_runs_stop_at_branch_targets_predicates_and_immediates():
+    """The reuse cache may only chain between instructions that always run one after the other:
+    a branch landing on an FFMA starts a new run, a predicated FFMA is in none, and a shared
+    immediate is not a factor (no reuse flag for an immediate)."""
+    listing = [_ffma(0x00, "FFMA R10, R24, R200, R10 ;"), _ffma(0x10, "FFMA R11, R25, R200, R11 ;"),
+               _ffma(0x20, "FFMA R12, R26, R200, R12 ;"), _ffma(0x30, "FFMA R13, R27, R200, R13 ;"),
+               _ffma(0x40, "@P0 FFMA R14, R28, R200, R14 ;"), _ffma(0x50, "FFMA R15, R29, R200, R15 ;"),
+               _ffma(0x60, "FFMA R16, R30, R200, R16 ;"), _ffma(0x70, "FFMA R17, R31, 1.5, R17 ;"),
+               _ffma(0x80, "FFMA R18, R32, 1.5, R18 ;"), _ffma(0x90, "BRA 0x20 ;")]
+    runs = sass_control.promotion_runs(listing)
+    assert [(slot, [i.address for i in run]) for slot, run in runs] == [(1, [0x00, 0x10]), (1, [0x20, 0x30]),
+                                                                       (1, [0x50, 0x60])]
+    listing[-1] = _ffma(0x90, "EXIT ;")
+    assert [len(run) for _, run in sass_control.promotion_runs(listing)] == [4, 2]
+
+
+def test_the_timing_only_build_has_no_promotion_to_rewrite():
+    """PROMOTE_TIMING=3 multiplies by an immediate: nothing for the reuse cache to keep."""
+    timing = compile_cuda(SOURCE, arch="sm_90a", defines={"STAGES": 4, "BN": 256, "CLUSTER_M": 2, "PROMOTE_TIMING": 3})
+    assert sass_control.promotion_runs(sass_control.instructions(timing, KERNEL)) == []
+
+
+def test_a_rewrite_is_cached_on_disk(cubin):
+    first = sass_control.rewrite_promotion(cubin, KERNEL, "yield-every-8")
+    again = sass_control.rewrite_promotion(cubin, KERNEL, "yield-every-8")
+    assert not first.from_cache and again.from_cache and again.code == first.code and again.key == first.key
 
 
 def test_ptxas_style_is_the_cubin_itself_and_unknown_styles_are_refused(cubin):

@@ -98,8 +98,8 @@ def compile_cuda(source: str | Path, *, arch: str | None = None, defines: Mappin
     code, log = _nvrtc_compile(path, arch, all_options)
     cubin = Cubin(path, arch, all_options, key, code, log)
     if cache:
-        _write_atomically(cached.with_suffix(".cubin"), code)
-        _write_atomically(cached.with_suffix(".json"),
+        write_atomically(cached.with_suffix(".cubin"), code)
+        write_atomically(cached.with_suffix(".json"),
                           json.dumps({"source": str(path), "arch": arch, "options": all_options,
                                       "nvrtc": nvrtc_version(), "ptxas_log": log}, indent=1).encode())
     return cubin
@@ -186,7 +186,7 @@ def integer_defines(source: str | Path) -> dict[str, int]:
     return found
 
 
-def _write_atomically(target: Path, data: bytes) -> None:
+def write_atomically(target: Path, data: bytes) -> None:
     """Write to a temporary file, then rename: a reader never sees half a cubin."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")

@@ -3,10 +3,12 @@
 Why: ptxas decides, per instruction, whether the warp scheduler may switch warps after it
 (the yield hint) and which source operands are kept in the operand-reuse cache for the
 next instruction. Neither is reachable from CUDA C++ or PTX. In the block-scaled FP8 GEMM's
-promotion (`acc = p * factor + acc`, 64 FFMAs in a row per warp) ptxas alternates them:
-every other FFMA yields and reads its factor from the register file, where it meets a
-bank conflict. Rewriting the bits is the only way to try the alternatives; DeepGEMM does
-the same to its FFMAs (the idea is theirs; this code is ours).
+promotion (`acc = p * factor + acc`, runs of 32 FFMAs on one factor) ptxas alternates them:
+every other FFMA yields, and the one after it reads the factor from the register file again.
+Measured on the H100 (benchmarks/notes/2026-11-26-session15): yielding at every 8th FFMA of
+a run and keeping the factor in the reuse cache between is 2.5-2.9% faster for the whole
+GEMM; never yielding is 6% slower, yielding at every FFMA 7% slower. DeepGEMM rewrites its FFMAs'
+yield and reuse bits too (the idea is theirs; this code and the pattern are ours).
 
 The encoding (Volta to Hopper, 128-bit instructions, read from cuobjdump's dumps and checked
 here against every instruction of the kernel it edits): the control field is the high
@@ -18,26 +20,32 @@ here against every instruction of the kernel it edits): the control field is the
     bits 49-51  read barrier          (7 = none)
 
 Only the yield and reuse bits are rewritten: they are hints, and a dependency is never
-relaxed (stall counts and barriers stay as ptxas set them). The one rule the rewrite
-keeps, as ptxas does in every dump we read: an instruction that yields sets no reuse flag
-(another warp may run in between and the cache would be stale).
+relaxed (stall counts and barriers stay as ptxas set them). The rules the rewrite keeps, as
+ptxas does in every dump we read: an instruction that yields sets no reuse flag (another warp
+may run in between), and a flag is set only where the very next instruction reads the same
+register from the same slot, with no branch able to land between them and no predicate on
+either. The GPU tests check the rewritten kernel's output bit for bit against the compiled one.
 
-    patched = rewrite_promotion(cubin, "fp8_block_gemm", "reuse")
+    patched = rewrite_promotion(cubin, "fp8_block_gemm", "yield-every-8")
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import struct
 from dataclasses import dataclass, replace
 
+from kforge.device import cache_dir
 from kforge.errors import KforgeError
-from kforge.runtime.cuda import Cubin, sass
+from kforge.runtime.cuda import Cubin, sass, write_atomically
 
 _YIELD_BIT = 45  # of the high word; 0 = yield
 _REUSE_SHIFT = 58  # of the high word; 4 bits, operand slot a = bit 58
+_TARGET = re.compile(r"\b(?:BRA|BRX|JMP|JMX|CALL|BSSY|BREAK|BPT|RET)\b[^;]*?\b0x([0-9a-f]+)\b")
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*;)\s*/\* (0x[0-9a-f]{16}) \*/\s*\n\s*/\* (0x[0-9a-f]{16}) \*/")
-STYLES = ("ptxas", "reuse", "yield")
+STYLES = ("ptxas", "reuse", "yield", "yield-every-2", "yield-every-4", "yield-every-8", "yield-every-16",
+          "yield-every-32")
 
 
 @dataclass(frozen=True)
@@ -118,22 +126,26 @@ def rewrite(cubin: Cubin, kernel: str, edited: list[Instruction], tag: str) -> C
 
 def promotion_runs(listing: list[Instruction]) -> list[tuple[int, list[Instruction]]]:
     """The promotion's FFMAs in runs that may chain the operand-reuse cache: adjacent FFMAs (nothing
-    between) on one factor, each run with the factor's operand slot (0 = a, 1 = b: ptxas puts it
-    in either). An FFMA's factor is the multiplicand it shares, in the same slot, with the FFMA
-    before or after it in the listing (other instructions may sit between); FFMAs that share none
-    are not the promotion's and are left out."""
-    ffmas = [(k, ins, _multiplicands(ins)) for k, ins in enumerate(listing) if ins.opcode == "FFMA"]
+    between, no predicate, no branch target after the first) on one factor, each run with the
+    factor's operand slot (0 = a, 1 = b: ptxas puts it in either). An FFMA's factor is the
+    multiplicand it shares, in the same slot, with the FFMA before or after it in the listing
+    (other instructions may sit between); a register, never an immediate or a constant. FFMAs
+    that share none are not the promotion's."""
+    targets = {int(t, 16) for ins in listing for t in _TARGET.findall(ins.text)}
+    ffmas = [(k, ins, _multiplicands(ins)) for k, ins in enumerate(listing)
+             if ins.opcode == "FFMA" and not ins.text.startswith("@")]
     runs: list[list] = []  # [slot, FFMAs, listing index of the last]
     for j, (k, ins, sources) in enumerate(ffmas):
         near = [ffmas[x][2] for x in (j - 1, j + 1) if 0 <= x < len(ffmas)]
-        shared = [i for i in (0, 1) if any(n[i] == sources[i] for n in near)]
+        shared = [i for i in (0, 1) if re.fullmatch(r"R\d+", sources[i]) and any(n[i] == sources[i] for n in near)]
         if not shared:
             continue
         slot = shared[0]
         last = runs[-1] if runs else None
-        if last and last[2] == k - 1 and last[0] == slot and _multiplicands(last[1][-1])[slot] == sources[slot]:
-            runs[-1][1].append(ins)
-            runs[-1][2] = k
+        if (last and last[2] == k - 1 and last[0] == slot and ins.address not in targets
+                and _multiplicands(last[1][-1])[slot] == sources[slot]):
+            last[1].append(ins)
+            last[2] = k
         else:
             runs.append([slot, [ins], k])
     return [(slot, run) for slot, run, _ in runs]
@@ -145,24 +157,37 @@ def _multiplicands(ins: Instruction) -> tuple[str, str]:
     return operands[1], operands[2]
 
 
-def rewrite_promotion(cubin: Cubin, kernel: str, style: str) -> Cubin:
+def rewrite_promotion(cubin: Cubin, kernel: str, style: str, *, cache: bool = True) -> Cubin:
     """Set the yield and reuse bits of every run of FFMAs sharing a factor (`promotion_runs`):
 
-    "ptxas"  leave them as compiled (every other FFMA yields and reads the factor again);
-    "reuse"  no FFMA yields; each keeps the factor (in its run's slot) for the next one of
-             its run, so only the first of a run reads it from the register file;
-    "yield"  every FFMA yields; none keeps an operand.
+    "ptxas"          leave them as compiled (every other FFMA yields, and the one after it
+                     reads the factor from the register file again);
+    "reuse"          no FFMA yields; each keeps the factor (in its run's slot) for the next one
+                     of its run, so only the first of a run reads it from the register file;
+    "yield"          every FFMA yields; none keeps an operand;
+    "yield-every-N"  the N-th, 2N-th, ... FFMA of a run yields, the others keep the factor:
+                     one read in N from the register file, one chance in N for another warp.
+
+    The rewritten cubin is cached on disk beside the compiled ones (a second run disassembles
+    nothing).
     """
     if style not in STYLES:
         raise KforgeError(f"promotion style must be one of {STYLES}, got {style!r}")
     if style == "ptxas":
         return cubin
+    key = f"{cubin.key}+promotion-{style}"
+    cached = cache_dir() / "cubins" / f"{cubin.source.stem}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.cubin"
+    if cache and cached.is_file():
+        return replace(cubin, code=cached.read_bytes(), key=key, from_cache=True)
+    every = None if style == "reuse" else 1 if style == "yield" else int(style.rsplit("-", 1)[1])
     edited = []
     for slot, run in promotion_runs(instructions(cubin, kernel)):
         for i, ins in enumerate(run):
-            if style == "yield":
-                edited.append(ins.with_control(yields=True, reuse=0))
-            else:  # keep the factor only where the next instruction reads the same register from the same slot
-                keep = 1 << slot if i + 1 < len(run) else 0
-                edited.append(ins.with_control(yields=False, reuse=ins.reuse & ~(1 << slot) | keep))
-    return rewrite(cubin, kernel, edited, f"promotion-{style}")
+            yields = every is not None and i % every == every - 1
+            # keep the factor only where the next instruction reads the same register from the same slot
+            keep = 1 << slot if not yields and i + 1 < len(run) else 0
+            edited.append(ins.with_control(yields=yields, reuse=0 if yields else ins.reuse & ~(1 << slot) | keep))
+    rewritten = rewrite(cubin, kernel, edited, f"promotion-{style}")
+    if cache:
+        write_atomically(cached, rewritten.code)
+    return rewritten

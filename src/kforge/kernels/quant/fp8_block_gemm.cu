@@ -52,11 +52,17 @@
 // stalls on dispatch, the ones whose factor ptxas does not take from its operand-reuse cache).
 // Tried and not kept: three consumer warpgroups on 192 x 128 tiles (152 registers each),
 // 1125-1191 (patch in the notes).
-// 2026-11-26 (session 15, benchmarks/notes/2026-11-26-session15): not a register-bank conflict.
-// With the promotion's control bits rewritten in the cubin (runtime/sass_control.py), every FFMA
-// taking its factor from the reuse cache runs at the compiled speed (0.93x against 0.93-0.94x) and
-// every FFMA yielding is slower (0.88-0.89x); a factor that is an immediate runs at 0.99x (1378-1406).
-// The scales read before the chains instead of under the first: 0.7-1.0% faster at BN 256, kept.
+// 2026-11-26 (session 15, benchmarks/notes/2026-11-26-session15): the scales read before the
+// chains instead of under the first, 0.7-1.0% faster at BN 256. Then the promotion's scheduling
+// bits, rewritten in the cubin (runtime/sass_control.py; ptxas yields at every other FFMA and
+// re-reads the factor after each yield): yielding at every 8th FFMA of a run, the factor kept
+// in the operand-reuse cache between, 0.710-0.713 ms against 0.730-0.733 (2.5-2.9%, 0.97x
+// rowwise), now how fp8_block_gemm.py loads it; every 4th or 16th within 0.5% of it; never
+// yielding 6% slower, yielding at every FFMA 7%, only at a run's end 2%. The timing-only
+// builds (a constant factor) run at 0.99-1.00x. Not kept: the epilogue through a ring of three
+// 64 x 32 slices a consumer (4 KB each, so a store has two slices' time to read its buffer):
+// correct, not faster (0.96-0.98x against 0.98-0.99x; patch in the notes). A build skipping the
+// epilogue at run time measured 1.4% faster in one run and 3% slower in the next: no bound.
 #include "../gemm_bf16/hopper.cuh"
 
 #ifndef STAGES
