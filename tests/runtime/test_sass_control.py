@@ -133,3 +133,7 @@ def test_wrong_kernels_and_files_and_stale_dumps_are_refused(cubin, listing):
     outside = replace(listing[-1], address=listing[-1].address + 16)
     with pytest.raises(KforgeError, match="outside"):
         sass_control.rewrite(cubin, KERNEL, [outside], "outside")
+    # an edit of anything but the hints (here the stall count) is refused
+    stalled = replace(listing[5], high=listing[5].high ^ (1 << 41))
+    with pytest.raises(KforgeError, match="changes more than"):
+        sass_control.rewrite(cubin, KERNEL, [stalled], "stall")

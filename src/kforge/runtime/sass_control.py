@@ -42,6 +42,7 @@ from kforge.runtime.cuda import Cubin, sass, write_atomically
 
 _YIELD_BIT = 45  # of the high word; 0 = yield
 _REUSE_SHIFT = 58  # of the high word; 4 bits, operand slot a = bit 58
+_HINTS = 1 << _YIELD_BIT | 0xF << _REUSE_SHIFT  # the bits a rewrite may change
 _TARGET = re.compile(r"\b(?:BRA|BRX|JMP|JMX|CALL|BSSY|BREAK|BPT|RET)\b[^;]*?\b0x([0-9a-f]+)\b")
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*;)\s*/\* (0x[0-9a-f]{16}) \*/\s*\n\s*/\* (0x[0-9a-f]{16}) \*/")
 STYLES = ("ptxas", "reuse", "yield", "yield-every-2", "yield-every-4", "yield-every-8", "yield-every-16",
@@ -61,17 +62,19 @@ class Instruction:
 
     @property
     def yields(self) -> bool:
+        """Whether the scheduler may switch to another warp after this instruction."""
         return not (self.high >> _YIELD_BIT) & 1
 
     @property
     def reuse(self) -> int:
+        """The operand slots (bit 0 = a ... bit 3 = d) kept in the reuse cache for the next instruction."""
         return (self.high >> _REUSE_SHIFT) & 0xF
 
     def with_control(self, *, yields: bool, reuse: int) -> Instruction:
+        """The same instruction with these yield and reuse bits (refused together: see the module docstring)."""
         if yields and reuse:
             raise KforgeError(f"{self.text}: an instruction that yields cannot keep operands for reuse")
-        high = self.high & ~(1 << _YIELD_BIT) & ~(0xF << _REUSE_SHIFT)
-        high |= (0 if yields else 1) << _YIELD_BIT | reuse << _REUSE_SHIFT
+        high = self.high & ~_HINTS | (0 if yields else 1) << _YIELD_BIT | reuse << _REUSE_SHIFT
         return replace(self, high=high)
 
 
@@ -108,18 +111,22 @@ def text_section(code: bytes, kernel: str) -> tuple[int, int]:
 def rewrite(cubin: Cubin, kernel: str, edited: list[Instruction], tag: str) -> Cubin:
     """A copy of `cubin` with `edited` instructions written over the originals at their
     addresses. Every instruction's bytes are first checked against the dump, so a rewrite
-    can never land on the wrong word. `tag` joins the cache key (a different cubin)."""
+    can never land on the wrong word, and an edit may change only the yield and reuse bits.
+    `tag` joins the cache key (a different cubin)."""
     offset, size = text_section(cubin.code, kernel)
     code = bytearray(cubin.code)
-    addresses = set()
+    original = {}
     for ins in instructions(cubin, kernel):
         if ins.address + 16 > size or code[offset + ins.address:offset + ins.address + 16] != struct.pack(
                 "<QQ", ins.low, ins.high):
             raise KforgeError(f"{kernel}: the dump's instruction at {ins.address:#x} is not in the cubin's bytes")
-        addresses.add(ins.address)
+        original[ins.address] = ins
     for ins in edited:
-        if ins.address not in addresses:
+        before = original.get(ins.address)
+        if before is None:
             raise KforgeError(f"{kernel}: an edit at {ins.address:#x} falls outside its instructions")
+        if (before.low, before.high & ~_HINTS) != (ins.low, ins.high & ~_HINTS):
+            raise KforgeError(f"{kernel}: the edit at {ins.address:#x} changes more than the yield and reuse bits")
         struct.pack_into("<QQ", code, offset + ins.address, ins.low, ins.high)
     return replace(cubin, code=bytes(code), key=f"{cubin.key}+{tag}", from_cache=False)
 
