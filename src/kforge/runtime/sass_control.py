@@ -43,7 +43,8 @@ from kforge.runtime.cuda import Cubin, sass, write_atomically
 _YIELD_BIT = 45  # of the high word; 0 = yield
 _REUSE_SHIFT = 58  # of the high word; 4 bits, operand slot a = bit 58
 _HINTS = 1 << _YIELD_BIT | 0xF << _REUSE_SHIFT  # the bits a rewrite may change
-_TARGET = re.compile(r"\b(?:BRA|BRX|JMP|JMX|CALL|BSSY|BREAK|BPT|RET)\b[^;]*?\b0x([0-9a-f]+)\b")
+_JUMPS = ("BRA", "JMP", "CALL", "BSSY", "BREAK")  # direct: they name where control goes (BRX, JMX: a register)
+_TARGET = re.compile(r"\b(?:BRA|JMP|CALL|BSSY|BREAK|BPT|RET)\b[^;]*?\b0x([0-9a-f]+)\b")
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*;)\s*/\* (0x[0-9a-f]{16}) \*/\s*\n\s*/\* (0x[0-9a-f]{16}) \*/")
 STYLES = ("ptxas", "reuse", "yield", "yield-every-2", "yield-every-4", "yield-every-8", "yield-every-16",
           "yield-every-32")
@@ -139,6 +140,10 @@ def promotion_runs(listing: list[Instruction]) -> list[tuple[int, list[Instructi
     (other instructions may sit between); a register, never an immediate or a constant. FFMAs
     that share none are not the promotion's."""
     targets = {int(t, 16) for ins in listing for t in _TARGET.findall(ins.text)}
+    unknown = [ins.text for ins in listing if ins.opcode.split(".")[0] in ("BRX", "JMX")
+               or ins.opcode.split(".")[0] in _JUMPS and not _TARGET.search(ins.text)]
+    if unknown:  # an indirect jump, or a target this parser cannot read: any instruction might be one
+        raise KforgeError(f"cannot tell where every branch lands ({unknown[0]!r}): no reuse is safe to add")
     ffmas = [(k, ins, _multiplicands(ins)) for k, ins in enumerate(listing)
              if ins.opcode == "FFMA" and not ins.text.startswith("@")]
     runs: list[list] = []  # [slot, FFMAs, listing index of the last]
