@@ -7,8 +7,9 @@ promotion (`acc = p * factor + acc`, runs of 32 FFMAs on one factor) ptxas alter
 every other FFMA yields, and the one after it reads the factor from the register file again.
 Measured on the H100 (benchmarks/notes/2026-11-26-session15): yielding at every 8th FFMA of
 a run and keeping the factor in the reuse cache between is 2.5-2.9% faster for the whole
-GEMM; never yielding is 6% slower, yielding at every FFMA 7% slower. DeepGEMM rewrites its FFMAs'
-yield and reuse bits too (the idea is theirs; this code and the pattern are ours).
+GEMM than ptxas's schedule; never yielding is 6% slower than ptxas's, yielding at every FFMA
+7%. DeepGEMM rewrites its FFMAs' yield and reuse bits too (the idea is theirs; this code and
+the pattern are ours).
 
 The encoding (Volta to Hopper, 128-bit instructions, read from cuobjdump's dumps and checked
 here against every instruction of the kernel it edits): the control field is the high

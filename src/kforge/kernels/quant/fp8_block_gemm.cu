@@ -57,8 +57,8 @@
 // bits, rewritten in the cubin (runtime/sass_control.py; ptxas yields at every other FFMA and
 // re-reads the factor after each yield): yielding at every 8th FFMA of a run, the factor kept
 // in the operand-reuse cache between, 0.710-0.713 ms against 0.730-0.733 (2.5-2.9%, 0.97x
-// rowwise), now how fp8_block_gemm.py loads it; every 4th or 16th within 0.5% of it; never
-// yielding 6% slower, yielding at every FFMA 7%, only at a run's end 2%. The timing-only
+// rowwise), now how fp8_block_gemm.py loads it; every 4th or 16th within 0.6% of it; against
+// ptxas's schedule, never yielding 6% slower, at every FFMA 7%, only at a run's end 2%. The timing-only
 // builds (a constant factor) run at 0.99-1.00x. Not kept: the epilogue through a ring of three
 // 64 x 32 slices a consumer (4 KB each, so a store has two slices' time to read its buffer):
 // correct, not faster (0.96-0.98x against 0.98-0.99x; patch in the notes). A build skipping the
