@@ -101,10 +101,12 @@ def test_the_timing_only_build_has_no_promotion_to_rewrite():
     assert sass_control.promotion_runs(sass_control.instructions(timing, KERNEL)) == []
 
 
-def test_a_rewrite_is_cached_on_disk(cubin):
+def test_a_rewrite_is_cached_on_disk_until_the_rewriter_changes(cubin, monkeypatch):
     first = sass_control.rewrite_promotion(cubin, KERNEL, "yield-every-8")
     again = sass_control.rewrite_promotion(cubin, KERNEL, "yield-every-8")
     assert not first.from_cache and again.from_cache and again.code == first.code and again.key == first.key
+    monkeypatch.setattr(sass_control, "_own_source", lambda: b"a later version of the rewriter")
+    assert not sass_control.rewrite_promotion(cubin, KERNEL, "yield-every-8").from_cache
 
 
 def test_ptxas_style_is_the_cubin_itself_and_unknown_styles_are_refused(cubin):

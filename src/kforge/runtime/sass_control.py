@@ -36,6 +36,8 @@ import hashlib
 import re
 import struct
 from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
 
 from kforge.device import cache_dir
 from kforge.errors import KforgeError
@@ -164,6 +166,11 @@ def promotion_runs(listing: list[Instruction]) -> list[tuple[int, list[Instructi
     return [(slot, run) for slot, run, _ in runs]
 
 
+@cache
+def _own_source() -> bytes:
+    return Path(__file__).read_bytes()
+
+
 def _multiplicands(ins: Instruction) -> tuple[str, str]:
     """An FFMA's operand slots a and b ("FFMA R1, R2, R3, R4": R2 and R3), without reuse marks."""
     operands = [o.strip().removesuffix(".reuse") for o in ins.text.rstrip(" ;").split(None, 1)[-1].split(",")]
@@ -182,14 +189,16 @@ def rewrite_promotion(cubin: Cubin, kernel: str, style: str, *, cache: bool = Tr
                      one read in N from the register file, one chance in N for another warp.
 
     The rewritten cubin is cached on disk beside the compiled ones (a second run disassembles
-    nothing).
+    nothing), keyed by the compiled cubin, the style and this module's source.
     """
     if style not in STYLES:
         raise KforgeError(f"promotion style must be one of {STYLES}, got {style!r}")
     if style == "ptxas":
         return cubin
     key = f"{cubin.key}+promotion-{style}"
-    cached = cache_dir() / "cubins" / f"{cubin.source.stem}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.cubin"
+    # the file name also hashes this module's source: a changed rewrite never reads an old one's cubin
+    digest = hashlib.sha256(key.encode() + _own_source()).hexdigest()[:24]
+    cached = cache_dir() / "cubins" / f"{cubin.source.stem}-{digest}.cubin"
     if cache and cached.is_file():
         return replace(cubin, code=cached.read_bytes(), key=key, from_cache=True)
     every = None if style == "reuse" else 1 if style == "yield" else int(style.rsplit("-", 1)[1])
