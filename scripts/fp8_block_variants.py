@@ -37,33 +37,28 @@ def main():
     del x, w
     want = fp8_gemm(a, b, sa, sb, "block", prefer_cuda=False).float()
     fns = {"Triton block": lambda: fp8_gemm(a, b, sa, sb, "block", prefer_cuda=False)}
-    for block_n, stages, cluster in VARIANTS:
-        def call(block_n=block_n, stages=stages, cluster=cluster):
-            return fp8_block_gemm(a, b, sa, sb, block_n=block_n, stages=stages, cluster=cluster)
 
-        name = f"CUDA block BN={block_n} stages={stages} cluster={cluster} (promotion {PROMOTION})"
+    def checked(name, call):  # timed only if it agrees with the Triton kernel
         error = ((call().float() - want).abs().max() / want.abs().max()).item()
         print(f"{name}: max |CUDA - Triton| / max |C| = {error:.1e}")
         if error < 2e-2:
             fns[name] = call
+
+    for block_n, stages, cluster in VARIANTS:
+        checked(f"CUDA block BN={block_n} stages={stages} cluster={cluster} (promotion {PROMOTION})",
+                lambda block_n=block_n, stages=stages, cluster=cluster: fp8_block_gemm(
+                    a, b, sa, sb, block_n=block_n, stages=stages, cluster=cluster))
     for (block_n, stages, cluster), style in itertools.product(STYLED, sass_control.STYLES):
-        if style == PROMOTION:
-            continue  # timed above
-
-        def styled(block_n=block_n, stages=stages, cluster=cluster, style=style):
-            return fp8_block_gemm(a, b, sa, sb, block_n=block_n, stages=stages, cluster=cluster, promotion=style)
-
-        name = f"CUDA block BN={block_n} stages={stages} cluster={cluster} promotion {style}"
-        error = ((styled().float() - want).abs().max() / want.abs().max()).item()
-        print(f"{name}: max |CUDA - Triton| / max |C| = {error:.1e}")
-        if error < 2e-2:
-            fns[name] = styled
+        if style != PROMOTION:  # (the default is timed above)
+            checked(f"CUDA block BN={block_n} stages={stages} cluster={cluster} promotion {style}",
+                    lambda block_n=block_n, stages=stages, cluster=cluster, style=style: fp8_block_gemm(
+                        a, b, sa, sb, block_n=block_n, stages=stages, cluster=cluster, promotion=style))
     # The default tile built with other defines: raster groups, and timing-only builds (wrong results) that
     # bound what the promotion's form costs (PROMOTE_TIMING)
     from kforge.kernels.quant import fp8_block_gemm as module
     from kforge.runtime.cuda import CudaKernel, compile_cuda
 
-    def built(defines, name):
+    def built(defines):
         cubin = compile_cuda(module.SOURCE, defines={"STAGES": 4, "BN": 256, "CLUSTER_M": 2, **defines})
         kernel = CudaKernel(sass_control.rewrite_promotion(cubin, "fp8_block_gemm", PROMOTION), "fp8_block_gemm")
         plan = module._Plan(kernel, 4, 256, 2, m, n, k, torch.cuda.current_device())
@@ -73,15 +68,12 @@ def main():
             plan(a, b, c, sa, sb)
             return c
 
-        fns[name] = call
         return call
 
     for group_m in (4, 16):
-        call = built({"GROUP_M": group_m}, f"CUDA block BN=256 stages=4 cluster=2 GROUP_M={group_m}")
-        print(f"GROUP_M={group_m}: max |CUDA - Triton| / max |C| = "
-              f"{((call().float() - want).abs().max() / want.abs().max()).item():.1e}")
-    built({"PROMOTE_TIMING": 1}, "TIMING ONLY BN=256 cluster=2, promotion as acc += p")
-    built({"PROMOTE_TIMING": 3}, "TIMING ONLY BN=256 cluster=2, promotion as acc += p * constant")
+        checked(f"CUDA block BN=256 stages=4 cluster=2 GROUP_M={group_m}", built({"GROUP_M": group_m}))
+    fns["TIMING ONLY BN=256 cluster=2, promotion as acc += p"] = built({"PROMOTE_TIMING": 1})
+    fns["TIMING ONLY BN=256 cluster=2, promotion as acc += p * constant"] = built({"PROMOTE_TIMING": 3})
     for fast in (False, True):
         fns[f"_scaled_mm rowwise{' fast' if fast else ''}"] = lambda fast=fast: torch._scaled_mm(
             ra, rb.t(), scale_a=rsa, scale_b=rsb.reshape(1, n), out_dtype=torch.bfloat16, use_fast_accum=fast)

@@ -100,8 +100,8 @@ def compile_cuda(source: str | Path, *, arch: str | None = None, defines: Mappin
     if cache:
         write_atomically(cached.with_suffix(".cubin"), code)
         write_atomically(cached.with_suffix(".json"),
-                          json.dumps({"source": str(path), "arch": arch, "options": all_options,
-                                      "nvrtc": nvrtc_version(), "ptxas_log": log}, indent=1).encode())
+                         json.dumps({"source": str(path), "arch": arch, "options": all_options,
+                                     "nvrtc": nvrtc_version(), "ptxas_log": log}, indent=1).encode())
     return cubin
 
 

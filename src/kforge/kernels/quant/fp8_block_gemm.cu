@@ -61,7 +61,7 @@
 // ptxas's schedule, never yielding 6% slower, at every FFMA 7%, only at a run's end 2%. The timing-only
 // builds (a constant factor) run at 0.99-1.00x. Not kept: the epilogue through a ring of three
 // 64 x 32 slices a consumer (4 KB each, so a store has two slices' time to read its buffer):
-// correct, not faster (0.96-0.98x against 0.98-0.99x; patch in the notes). A build skipping the
+// correct, not faster (0.96x alone, 0.98x through the harness; patch in the notes). A build skipping the
 // epilogue at run time measured 1.4% faster in one run and 3% slower in the next: no bound.
 #include "../gemm_bf16/hopper.cuh"
 
