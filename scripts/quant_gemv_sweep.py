@@ -1,19 +1,22 @@
 """The 4-bit GEMVs on the GPU, kernel by kernel: W4A16 at batch 1 and the batched NVFP4 GEMV.
 
-    PYTHONPATH=src python scripts/quant_gemv_sweep.py
+    PYTHONPATH=src python scripts/quant_gemv_sweep.py [nvfp4] [w4a16]   (default: both)
 
 For each shape, the CUDA kernels (`w4a16_gemv.cu`, `nvfp4_gemv.cu`) in every ROWS x WARPS
 variant below and the Triton kernels they replace are checked against the reference first
 (a wrong one is reported and not timed), then timed as gemv_sweep.py times the bf16 GEMV:
 after a reading L2 flush, interleaved, medians of CUDA event times (device_timing.median_ms),
 with two ceilings beside them: a read-only stream of the same bytes (`read_stream.cu`) and
-an empty launch. % of copy is on the packed bytes (codes and scales) against a copy measured
+an empty launch. W4A16 also runs `w4a16_gemv_bulk.cu` (W streamed into shared memory by the
+bulk-copy engine) in each ROWS x CONSUMERS x STAGES variant, timed only if its output is
+`w4a16_gemv.cu`'s bit for bit. % of copy is on the packed bytes (codes and scales) against a copy measured
 in the same run. W4A16 also shows the bf16 GEMVs on the same weights (cuBLAS and kforge's
 `gemv`), and both the 4-bit and the bf16 CUDA kernels as a decode step runs them: eight
 calls on eight weights back to back in one CUDA graph, per call.
 """
 
 import kforge  # noqa: F401  (before triton)
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +31,7 @@ from kforge.runtime.cuda import CudaKernel
 ROUNDS = 200
 GRAPHED = 8
 VARIANTS = [(1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4)]  # (ROWS, WARPS)
+BULK_VARIANTS = [(2, 4, 4), (2, 4, 5), (4, 4, 4), (4, 4, 2), (2, 8, 4), (1, 8, 4)]  # ROWS, CONSUMERS, STAGES
 W4A16_SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (28672, 4096)]
 NVFP4_SHAPES = [(7168, 16384, 1), (4096, 7168, 8), (7168, 2048, 4)]  # (M, K, L)
 
@@ -70,11 +74,29 @@ def sweep_w4a16(copy_gbps, stream, sink, blocks):
 
             call()
             name = f"CUDA w4a16 ROWS={rows} WARPS={warps}" + (
-                " (default)" if (rows, warps) == w4a16.cuda_variant(n) else "")
+                " (default)" if (rows, warps) == w4a16.cuda_variant(n) and not w4a16.bulk_is_faster(n, k) else "")
             if torch.allclose(y.double(), want, atol=2e-2, rtol=2e-2):
                 fns[name] = call
             else:
                 print(f"  {name}: WRONG, max error {(y.double() - want).abs().nan_to_num(1e9).max().item():.3g}")
+        reference = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
+        w4a16.launch_cuda_gemv(x, qweight, scales, 128, reference)
+        for rows, consumers, stages in BULK_VARIANTS:
+            if not w4a16.bulk_kernel_fits(x, qweight, scales, 128, rows=rows, consumers=consumers, stages=stages):
+                continue
+            y = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+            def call(rows=rows, consumers=consumers, stages=stages, y=y):
+                w4a16.launch_bulk_gemv(x, qweight, scales, y, rows=rows, consumers=consumers, stages=stages)
+
+            call()
+            name = f"CUDA w4a16 bulk ROWS={rows} CONSUMERS={consumers} STAGES={stages}" + (
+                " (default)" if (rows, consumers, stages) == (2, 4, 4) and w4a16.bulk_is_faster(n, k) else "")
+            if torch.equal(y, reference):  # the same sums in the same order as w4a16_gemv.cu
+                fns[name] = call
+            else:
+                print(f"  {name}: WRONG, not w4a16_gemv.cu's bits, max error "
+                      f"{(y.double() - want).abs().nan_to_num(1e9).max().item():.3g}")
         nbytes = qweight.numel() + scales.numel() * 2 + (k + n) * 2
         ceilings(fns, nbytes, stream, sink, blocks)
         print(f"W4A16 batch 1, W {n} x {k} ({nbytes / 1e6:.1f} MB packed; bf16 {n * k * 2 / 1e6:.1f} MB)")
@@ -137,8 +159,11 @@ def main():
     stream = CudaKernel.from_file(Path(__file__).with_name("read_stream.cu"), "read_stream")
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")
     blocks = 8 * torch.cuda.get_device_properties(0).multi_processor_count
-    sweep_nvfp4(copy_gbps, stream, sink, blocks)
-    sweep_w4a16(copy_gbps, stream, sink, blocks)
+    groups = sys.argv[1:] or ["nvfp4", "w4a16"]
+    if "nvfp4" in groups:
+        sweep_nvfp4(copy_gbps, stream, sink, blocks)
+    if "w4a16" in groups:
+        sweep_w4a16(copy_gbps, stream, sink, blocks)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ back), the op under inductor."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -333,6 +334,34 @@ def test_the_one_token_cuda_kernel_compiles_for_sm90_as_designed():
     assert sum(loop.values()) <= 3.6 * 32 * rows, f"{sum(loop.values()) / (32 * rows):.2f} instructions a weight"
 
 
+def test_the_bulk_fed_kernel_compiles_for_sm90_as_designed():
+    """w4a16_gemv_bulk.cu: W and its scales arrive by bulk copies (UBLKCP) and the consumers'
+    inner loop reads shared memory only (no global loads): per 16-byte unit, x's 32 prescaled
+    values (8 LDS.128), its offset, and each row's 16 bytes and scale; one FFMA a weight, no
+    int -> float conversion, no spills, and under 2.7 instructions a weight at 4 rows a warp
+    (w4a16_gemv.cu: ~3.5)."""
+    from collections import Counter
+
+    from kforge.runtime.cuda import compile_cuda, resources, sass
+
+    rows = 4
+    cubin = compile_cuda(w4a16.BULK_SOURCE, arch="sm_90a", defines={"ROWS": rows, "CONSUMERS": 4, "STAGES": 4})
+    used = resources(cubin)["w4a16_gemv_bulk"]
+    assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0), used
+    code = sass(cubin)
+    assert "UBLKCP.S.G" in code, "the bulk copies"
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", code)
+    loops = [lines[[int(a, 16) for a, _ in lines].index(int(target, 16)):i]
+             for i, (address, text) in enumerate(lines)
+             for target in re.findall(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text) if int(target, 16) < int(address, 16)]
+    inner = min((loop for loop in loops if any("LDS.128" in t for _, t in loop)), key=len)
+    ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in inner)
+    assert ops["LDS.128"] == 8 + rows and ops["LDS.U16"] == rows and ops["LDS"] == 1, ops
+    assert not any(op.startswith(("LDG", "LD.", "I2F", "F2I")) for op in ops), ops
+    assert ops["FFMA"] >= 33 * rows, ops  # 32 products and the scale a row
+    assert len(inner) <= 2.7 * 32 * rows, f"{len(inner) / (32 * rows):.2f} instructions a weight"
+
+
 def _count_cuda_launches(monkeypatch):
     calls = []
     real = w4a16.launch_cuda_gemv
@@ -365,6 +394,52 @@ def test_the_one_token_cuda_kernel_in_every_variant_group_and_odd_shape(monkeypa
     x2, qweight, scales = _inputs(2, 300, 1024, 128, "cuda")
     assert_matches(w4a16_matmul(x2, qweight, scales), x2, qweight, scales, 128)
     assert len(calls) == len(cases) + 1, "two rows take the Triton kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, consumers, stages", [(4, 4, 4), (2, 8, 2), (8, 4, 2), (2, 4, 8)])
+def test_the_bulk_fed_kernel_computes_the_one_token_kernels_bits(rows, consumers, stages):
+    """w4a16_gemv_bulk.cu against w4a16_gemv.cu, bit for bit (the same sums in the same order),
+    and against float64: a tile with fewer rows than the block's (N = 5, 1000, 4100), one chunk
+    (K = 1024, 4096), a short last chunk (14336 = 3.5 chunks), Llama-3-8B widths, x far from 1;
+    every output NaN-poisoned first. Shapes it does not take (K % 1024, group 64, a padded W) are
+    refused by bulk_kernel_fits."""
+    cases = [(5, 1024, 1.0), (1000, 4096, 1e12), (4100, 14336, 1.0), (28672, 4096, 1.0), (4096, 14336, 1e-12),
+             (12289, 2048, 1.0)]
+    for n, k, x_scale in cases:
+        x, qweight, scales = _inputs(1, n, k, 128, "cuda", seed=n, x_scale=x_scale)
+        assert w4a16.bulk_kernel_fits(x, qweight, scales, 128, rows=rows, consumers=consumers, stages=stages)
+        want = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        w4a16.launch_cuda_gemv(x, qweight, scales, 128, want)
+        y = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        w4a16.launch_bulk_gemv(x, qweight, scales, y, rows=rows, consumers=consumers, stages=stages)
+        assert torch.equal(y, want), (n, k)
+        assert_matches(y, x, qweight, scales, 128)
+    x, qweight, scales = _inputs(1, 64, 1536, 128, "cuda")
+    assert not w4a16.bulk_kernel_fits(x, qweight, scales, 128)
+    x, qweight, scales = _inputs(1, 64, 55 * 1024, 128, "cuda")
+    assert not w4a16.bulk_kernel_fits(x, qweight, scales, 128), "x's prescaled copy and a ring exceed shared memory"
+    x, qweight, scales = _inputs(1, 64, 1024, 64, "cuda")
+    assert not w4a16.bulk_kernel_fits(x, qweight, scales, 64)
+    x, qweight, scales = _inputs(1, 64, 1024, 128, "cuda")
+    padded = torch.zeros(64, 1024 // 2 + 16, dtype=torch.uint8, device="cuda")[:, :512]
+    assert not w4a16.bulk_kernel_fits(x, padded, scales, 128)
+
+
+@pytest.mark.gpu
+def test_one_token_takes_the_bulk_fed_kernel_where_it_is_faster(monkeypatch, nan_outputs):
+    """w4a16_matmul at batch 1: wide W with K <= 4096 (14336 x 4096, 28672 x 4096) through
+    w4a16_gemv_bulk.cu, the rest (4096 x 4096, 4096 x 14336, and a W whose group the bulk kernel
+    does not take) through w4a16_gemv.cu; the numbers right either way."""
+    bulk_calls = []
+    real = w4a16.launch_bulk_gemv
+    monkeypatch.setattr(w4a16, "launch_bulk_gemv", lambda *args, **kw: bulk_calls.append(args) or real(*args, **kw))
+    for (n, k, group), bulk in {(14336, 4096, 128): True, (28672, 4096, 128): True, (4096, 4096, 128): False,
+                                (4096, 14336, 128): False, (14336, 4096, 64): False}.items():
+        before = len(bulk_calls)
+        x, qweight, scales = _inputs(1, n, k, group, "cuda", seed=n + k)
+        assert_matches(w4a16_matmul(x, qweight, scales, group), x, qweight, scales, group)
+        assert len(bulk_calls) - before == int(bulk), (n, k, group)
 
 
 @pytest.mark.gpu

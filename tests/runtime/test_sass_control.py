@@ -90,6 +90,8 @@ def test_runs_stop_at_branch_targets_predicates_and_immediates():
                                                                        (1, [0x50, 0x60])]
     listing[-1] = _ffma(0x90, "EXIT ;")
     assert [len(run) for _, run in sass_control.promotion_runs(listing)] == [4, 2]
+    listing[-1] = _ffma(0x90, "@P0 BREAK B2 ;")  # leaves a convergence barrier, lands nowhere
+    assert [len(run) for _, run in sass_control.promotion_runs(listing)] == [4, 2]
     listing[-1] = _ffma(0x90, "BRX R4 -0x90 ;")  # an indirect jump could land anywhere
     with pytest.raises(KforgeError, match="where every branch lands"):
         sass_control.promotion_runs(listing)

@@ -91,7 +91,7 @@ def quant_shapes() -> list[QuantShape]:
                     (32, 4096, 4096)):
         shapes.append(QuantShape("w4a16", f"W4A16 B={b} N={n} K={k} vs bf16 cuBLAS",
                                  PROBLEMS / "quant" / "w4a16_gemv.py", {"B": b, "N": n, "K": k}, {"ours": OursW4a16},
-                                 ("w4a16.py",)))
+                                 ("w4a16.py", "w4a16_gemv.cu", "w4a16_gemv_bulk.cu")))
     for m, k, l in ((7168, 16384, 1), (4096, 7168, 8), (7168, 2048, 4)):
         shapes.append(QuantShape("nvfp4-gemv", f"NVFP4 GEMV M={m} K={k} L={l} vs dequant+bmm",
                                  PROBLEMS / "level1" / "nvfp4_batched_gemv.py", {"M": m, "K": k, "L": l},

@@ -46,8 +46,10 @@ from kforge.runtime.cuda import Cubin, sass, write_atomically
 _YIELD_BIT = 45  # of the high word; 0 = yield
 _REUSE_SHIFT = 58  # of the high word; 4 bits, operand slot a = bit 58
 _HINTS = 1 << _YIELD_BIT | 0xF << _REUSE_SHIFT  # the bits a rewrite may change
-_JUMPS = ("BRA", "JMP", "CALL", "BSSY", "BREAK")  # direct: they name where control goes (BRX, JMX: a register)
-_TARGET = re.compile(r"\b(?:BRA|JMP|CALL|BSSY|BREAK|BPT|RET)\b[^;]*?\b0x([0-9a-f]+)\b")
+# Direct: they name where control goes (BRX, JMX: a register). BSSY names its reconvergence point (where
+# BSYNC waits); BREAK names none and goes nowhere: it takes threads out of a convergence barrier, a BRA jumps.
+_JUMPS = ("BRA", "JMP", "CALL", "BSSY")
+_TARGET = re.compile(r"\b(?:BRA|JMP|CALL|BSSY|BPT|RET)\b[^;]*?\b0x([0-9a-f]+)\b")
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*;)\s*/\* (0x[0-9a-f]{16}) \*/\s*\n\s*/\* (0x[0-9a-f]{16}) \*/")
 STYLES = ("ptxas", "reuse", "yield", "yield-every-2", "yield-every-4", "yield-every-8", "yield-every-16",
           "yield-every-32")

@@ -66,6 +66,9 @@ bytes: N x K = 4096 x 4096 8.4 us (34%), 14336 x 4096 17.3 us (58%), 4096 x 1433
 copy: the launch and the ramp weigh on a 3-10 MB read); 2.2x, 2.6x, 2.7x, 3.0x cuBLAS's bf16
 GEMV on the same weights. This Triton kernel: 33, 56, 56, 69% of copy. Batches 3-32 (the
 tensor-core path): 11-30% of copy, paying the split-K partials and a second launch.
+Where K <= 4096 and N >= 12288 a second CUDA kernel takes the token (`w4a16_gemv_bulk.cu`: W
+streamed into shared memory by the bulk-copy engine, the same sums bit for bit): 2026-11-26,
+14336 x 4096 16.3 us (60%), 28672 x 4096 25.6 us (77%, 90% of the read stream).
 """
 
 from __future__ import annotations
@@ -415,6 +418,78 @@ def launch_cuda_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
            y.data_ptr(), n, k // 32, qweight.stride(0) // 16, scales.stride(0))
 
 
+BULK_SOURCE = Path(__file__).with_name("w4a16_gemv_bulk.cu")
+BULK_KINDS = ("ptr",) * 4 + ("i32",) * 2
+BULK_SHARED_LIMIT = 227 * 1024
+
+
+def bulk_shared_bytes(k: int, rows: int, consumers: int, stages: int) -> int:
+    """`w4a16_gemv_bulk.cu`'s shared memory: the ring (rows * consumers rows of a 2048-byte chunk
+    and its 64 bytes of scales, a stage), x prescaled in fp32 with one offset a 32 values, and
+    two mbarriers a stage."""
+    return stages * rows * consumers * (2048 + 64) + k * 4 + k // 32 * 4 + 2 * stages * 8
+
+
+def bulk_kernel_fits(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int, *,
+                     rows: int = 2, consumers: int = 4, stages: int = 2) -> bool:
+    """Whether `w4a16_gemv_bulk.cu` takes these operands: what `cuda_kernel_fits` asks, plus
+    `_bulk_operands_fit`'s conditions."""
+    return cuda_kernel_fits(x, qweight, group) and _bulk_operands_fit(x, qweight, scales, group, rows, consumers,
+                                                                      stages)
+
+
+_HOPPER: dict[int, bool] = {}  # by device index (a capability query costs microseconds a call)
+
+
+def _bulk_operands_fit(x, qweight, scales, group, rows=2, consumers=4, stages=2) -> bool:
+    """A Hopper GPU (bulk copies), a K of whole 1024s (a chunk's scales are whole 16-byte copies),
+    group 128, W and its scales contiguous (the scales 16-byte aligned), and a ring of `stages`
+    beside x in shared memory."""
+    k, index = x.shape[1], x.device.index
+    if index not in _HOPPER:
+        _HOPPER[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return (_HOPPER[index] and group == 128 and k % 1024 == 0 and qweight.is_contiguous() and scales.is_contiguous()
+            and scales.data_ptr() % 16 == 0 and bulk_shared_bytes(k, rows, consumers, stages) <= BULK_SHARED_LIMIT)
+
+
+def bulk_is_faster(n: int, k: int) -> bool:
+    """Where `w4a16_gemv_bulk.cu` beat `w4a16_gemv.cu` on the H100 (2026-11-26, the .cu's header):
+    rows of one chunk (K <= 4096, x's prescaled copy small enough for two blocks an SM) and many of
+    them (N = 14336 and 28672 faster, 4096 and 6144 slower)."""
+    return k <= 4096 and n >= 12288
+
+
+def launch_bulk_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, y: torch.Tensor, *,
+                     rows: int = 2, consumers: int = 4, stages: int | None = None) -> None:
+    """y (1, N) on `w4a16_gemv_bulk.cu` for operands that `bulk_kernel_fits`: a persistent grid
+    (as many blocks as fit at once, at most one a tile), `consumers` warps of `rows` rows each,
+    `stages` ring slots (default: as many as fit, at most 4). The defaults were the fastest
+    measured (the .cu's header)."""
+    n, k = qweight.shape[0], x.shape[1]
+    index = x.device.index
+    key = ("bulk", rows, consumers, stages, n, k, index)
+    launch = _CUDA_LAUNCHES.get(key)
+    if launch is None:
+        from kforge.runtime.cuda import CudaKernel
+
+        if stages is None:
+            stages = max((d for d in range(2, 5) if bulk_shared_bytes(k, rows, consumers, d) <= BULK_SHARED_LIMIT),
+                         default=2)
+
+        variant = ("bulk", rows, consumers, stages)
+        kernel = _CUDA_LAUNCHES.get(variant)
+        if kernel is None:
+            kernel = _CUDA_LAUNCHES[variant] = CudaKernel.from_file(
+                BULK_SOURCE, "w4a16_gemv_bulk", defines={"ROWS": rows, "CONSUMERS": consumers, "STAGES": stages})
+        threads, smem = 32 * (consumers + 1), bulk_shared_bytes(k, rows, consumers, stages)
+        with torch.cuda.device(index):
+            resident = kernel.max_active_clusters(threads, 1, smem, index)
+        grid = min(triton.cdiv(n, rows * consumers), resident)
+        launch = _CUDA_LAUNCHES[key] = kernel.lean(grid, threads, index, kinds=BULK_KINDS, shared_bytes=smem)
+    launch(torch._C._cuda_getCurrentRawStream(index), qweight.data_ptr(), scales.data_ptr(), x.data_ptr(),
+           y.data_ptr(), n, k)
+
+
 def launch_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int,
                  config: dict | None) -> torch.Tensor:
     """y (M, N) bf16 for checked 2-D x; `config` None picks the path and tile (see _choose_config)."""
@@ -426,7 +501,10 @@ def launch_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, g
     if k == 0:
         return y.zero_()
     if config is None and cuda_kernel_fits(x, qweight, group):
-        launch_cuda_gemv(x, qweight, scales, group, y)
+        if bulk_is_faster(n, k) and _bulk_operands_fit(x, qweight, scales, group):
+            launch_bulk_gemv(x, qweight, scales, y)
+        else:
+            launch_cuda_gemv(x, qweight, scales, group, y)
         return y
     from kforge.runtime.interpreter import interpreter_active
 
