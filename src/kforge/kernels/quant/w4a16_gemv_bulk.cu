@@ -31,7 +31,9 @@
 // x's 57 KB leave room for one block an SM): w4a16.py picks it only for K <= 4096 and N >= 12288.
 // Tried and slower at 28672 x 4096: a tile's rows in one copy (26.9 us against 25.8: fewer, larger
 // copies), the last round's rows cut evenly over all blocks (27.3: no idle blocks in the last
-// round, yet slower), 4 rows a warp (32.3 at one block an SM), 1 or 2 rows a warp, 2 or 8 warps.
+// round, yet slower), 4 rows a warp (32.3 at one block an SM), 1 or 2 rows a warp, 2, 6 or 8
+// warps, 2 or 3 stages (3 or 4 blocks an SM: 26.4-26.8); the copies marked L2 evict-first: within
+// 0.3% (not kept).
 
 #include "../gemm_bf16/hopper.cuh"
 #include "w4a16_decode.cuh"
@@ -55,7 +57,7 @@ w4a16_gemv_bulk(const unsigned char* __restrict__ q, const unsigned char* __rest
                 const uint4* __restrict__ x, u16* __restrict__ y, int n, int k) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int units = k / 32, row_bytes = k / 2, chunks = CEIL_DIV(row_bytes, CHUNK_BYTES);
-    const int tiles = CEIL_DIV(n, TILE_ROWS);  // dealt round-robin: at any moment the blocks stream neighbouring rows
+    const int tiles = CEIL_DIV(n, TILE_ROWS);  // dealt round-robin: the blocks stream neighbouring rows at once
     float4* xs = reinterpret_cast<float4*>(smem + STAGES * STAGE_BYTES);  // [8][units]
     float* x_offset = reinterpret_cast<float*>(xs + 8 * units);           // [units]: -8 sum x, in 2^-E0
     u64* full = reinterpret_cast<u64*>(x_offset + units);                 // (units: a multiple of 32)
@@ -140,7 +142,8 @@ w4a16_gemv_bulk(const unsigned char* __restrict__ q, const unsigned char* __rest
         for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
         for (int c = 0; c < chunks; ++c, ++it) {
             const int st = it % STAGES;
-            const int chunk_units = min(CHUNK_BYTES, row_bytes - c * CHUNK_BYTES) / 16, first_unit = c * (CHUNK_BYTES / 16);
+            const int chunk_units = min(CHUNK_BYTES, row_bytes - c * CHUNK_BYTES) / 16;
+            const int first_unit = c * (CHUNK_BYTES / 16);
             mbar_wait(&full[st], (it / STAGES) & 1);
             // this warp's rows: chunk_units 16-byte units a row, and chunk_units / 4 scales
             const uint4* rows_q = reinterpret_cast<const uint4*>(stage_q(st)) + warp * ROWS * chunk_units;
