@@ -4,9 +4,9 @@
         env PYTHONPATH=src python scripts/profile_quant_gemv.py
 
 The batched NVFP4 GEMV at (M, K, L) = (4096, 7168, 8) and (7168, 16384, 1), W4A16 at batch 1 on
-a 28672 x 4096 weight, each with its default (ROWS, WARPS); then `read_stream.cu` over the
-NVFP4 (4096, 7168, 8) operands' bytes: what a pure reader of the same bytes does to DRAM and
-the SMs. Compiled and warmed up first (device_timing.profile_once). Run by
+a 28672 x 4096 weight, each with its default (ROWS, WARPS), and W4A16 on the bulk-copy-fed
+kernel (w4a16_gemv_bulk.cu); then `read_stream.cu` over the NVFP4 (4096, 7168, 8) operands'
+bytes and over W4A16's: what a pure reader of the same bytes does to DRAM and the SMs. Compiled and warmed up first (device_timing.profile_once). Run by
 scripts/gpu_check.sh (PARTS=profile-quant-gemv), which prints the key sections.
 """
 
@@ -35,6 +35,7 @@ def main():
     y = torch.empty(1, 28672, dtype=torch.bfloat16, device="cuda")
     stream = CudaKernel.from_file(Path(__file__).with_name("read_stream.cu"), "read_stream")
     nbytes = nvfp4_gemv.nvfp4_gemv_min_bytes(4096, 7168, 8)
+    w4a16_bytes = qweight.numel() + scales.numel() * 2
     buffer = torch.empty(nbytes // 16 * 16, dtype=torch.uint8, device="cuda")
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")
     blocks = 8 * torch.cuda.get_device_properties(0).multi_processor_count
@@ -42,7 +43,9 @@ def main():
         "nvfp4 4096x7168 L=8": nvfp4_call(4096, 7168, 8),
         "nvfp4 7168x16384 L=1": nvfp4_call(7168, 16384, 1),
         "w4a16 28672x4096": lambda: w4a16.launch_cuda_gemv(x, qweight, scales, 128, y),
+        "w4a16 bulk 28672x4096": lambda: w4a16.launch_bulk_gemv(x, qweight, scales, y),
         "read stream 132 MB": lambda: stream.launch(blocks, 256, (buffer, np.int64(nbytes // 16), sink)),
+        "read stream 61 MB": lambda: stream.launch(blocks, 256, (buffer, np.int64(w4a16_bytes // 16), sink)),
     })
 
 
