@@ -1,4 +1,4 @@
-"""TEMPORARY (not committed): bulk GEMV forms A/B, three repeats."""
+"""TEMPORARY (not committed): bulk GEMV copy shapes A/B, three repeats."""
 import kforge  # noqa: F401
 from pathlib import Path
 import numpy as np
@@ -11,29 +11,22 @@ from quant_gemv_sweep import w4a16_inputs, copy_bandwidth_gbps
 copy = copy_bandwidth_gbps()
 stream = CudaKernel.from_file(Path(__file__).with_name("read_stream.cu"), "read_stream")
 sink = torch.zeros(1, dtype=torch.int32, device="cuda")
-for n, k in [(28672, 4096), (14336, 4096), (4096, 14336)]:
+for n, k in [(28672, 4096), (14336, 4096)]:
     x, q, s = w4a16_inputs(n, k)
     ref = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
     w4a16.launch_cuda_gemv(x, q, s, 128, ref)
     fns = {"default w4a16_gemv.cu": lambda: w4a16.launch_cuda_gemv(x, q, s, 128, ref)}
-    V1 = {"MERGE": 0, "TAIL_SPLIT": 0, "X_BATCHED": 0}
-    for tag, src, extra, shapes in [
-            ("v1", "w4a16_gemv_bulk.cu", V1, [(2, 4, 4), (4, 4, 4), (2, 4, 5), (1, 4, 8), (2, 2, 8), (1, 8, 4), (2, 2, 4)]),
-            ("v1+merge", "w4a16_gemv_bulk.cu", {**V1, "MERGE": 1}, [(2, 4, 4), (4, 4, 4)]),
-            ("v1+tail split", "w4a16_gemv_bulk.cu", {**V1, "TAIL_SPLIT": 1}, [(2, 4, 4), (4, 4, 4)]),
-            ("v1+x batched", "w4a16_gemv_bulk.cu", {**V1, "X_BATCHED": 1}, [(2, 4, 4), (4, 4, 4)])]:
-        for rows, cons, st in shapes:
-            if w4a16.bulk_shared_bytes(k, rows, cons, st) > 227 * 1024:
-                continue
-            kern = CudaKernel.from_file(w4a16.BULK_SOURCE.with_name(src), "w4a16_gemv_bulk", defines={"ROWS": rows, "CONSUMERS": cons, "STAGES": st, **extra})
+    for extra in ("w4a16_gemv_bulk_head.cu", "w4a16_gemv_bulk.cu"):
+        for rows, cons, st in [(2, 4, 4)]:
+            kern = CudaKernel.from_file(w4a16.BULK_SOURCE.with_name(extra), "w4a16_gemv_bulk", defines={"ROWS": rows, "CONSUMERS": cons, "STAGES": st})
             smem = w4a16.bulk_shared_bytes(k, rows, cons, st)
             grid = min(-(-n // (rows * cons)), kern.max_active_clusters(32 * (cons + 1), 1, smem, 0))
             lean = kern.lean(grid, 32 * (cons + 1), 0, kinds=w4a16.BULK_KINDS, shared_bytes=smem)
             y = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             call = lambda lean=lean, y=y: lean(torch._C._cuda_getCurrentRawStream(0), q.data_ptr(), s.data_ptr(), x.data_ptr(), y.data_ptr(), n, k)
             call()
-            assert torch.equal(y, ref), (tag, rows, cons, st)
-            fns[f"{tag} ({rows},{cons},{st}) grid {grid}"] = call
+            assert torch.equal(y, ref), (extra, rows, cons, st)
+            fns[f"{extra} ({rows},{cons},{st}) grid {grid}"] = call
     nbytes = q.numel() + s.numel() * 2 + (k + n) * 2
     buf = torch.empty(nbytes // 16 * 16, dtype=torch.uint8, device="cuda")
     fns["read stream"] = lambda: stream.launch(8 * 132, 256, (buf, np.int64(nbytes // 16), sink))

@@ -32,8 +32,9 @@
 // Tried and slower at 28672 x 4096: a tile's rows in one copy (26.9 us against 25.8: fewer, larger
 // copies), the last round's rows cut evenly over all blocks (27.3: no idle blocks in the last
 // round, yet slower), 4 rows a warp (32.3 at one block an SM), 1 or 2 rows a warp, 2, 6 or 8
-// warps, 2 or 3 stages (3 or 4 blocks an SM: 26.4-26.8); the copies marked L2 evict-first: within
-// 0.3% (not kept).
+// warps, 2 or 3 stages (3 or 4 blocks an SM: 26.4-26.8), a tile's scales in one copy (26.3); the
+// copies marked L2 evict-first: within 0.3% (not kept). The producer's code is on the critical path:
+// the same copies behind one more branch ran at 27.0 us.
 
 #include "../gemm_bf16/hopper.cuh"
 #include "w4a16_decode.cuh"
