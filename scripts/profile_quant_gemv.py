@@ -6,8 +6,9 @@
 The batched NVFP4 GEMV at (M, K, L) = (4096, 7168, 8) and (7168, 16384, 1), W4A16 at batch 1 on
 a 28672 x 4096 weight, each with its default (ROWS, WARPS), and W4A16 on the bulk-copy-fed
 kernel (w4a16_gemv_bulk.cu); then `read_stream.cu` over the NVFP4 (4096, 7168, 8) operands'
-bytes and over W4A16's: what a pure reader of the same bytes does to DRAM and the SMs. Compiled and warmed up first (device_timing.profile_once). Run by
-scripts/gpu_check.sh (PARTS=profile-quant-gemv), which prints the key sections.
+bytes and over W4A16's: what a pure reader of the same bytes does to DRAM and the SMs.
+Compiled and warmed up first (device_timing.profile_once). Run by scripts/gpu_check.sh
+(PARTS=profile-quant-gemv), which prints the key sections.
 """
 
 import kforge  # noqa: F401  (before triton)

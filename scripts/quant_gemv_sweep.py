@@ -9,8 +9,8 @@ after a reading L2 flush, interleaved, medians of CUDA event times (device_timin
 with two ceilings beside them: a read-only stream of the same bytes (`read_stream.cu`) and
 an empty launch. W4A16 also runs `w4a16_gemv_bulk.cu` (W streamed into shared memory by the
 bulk-copy engine) in each ROWS x CONSUMERS x STAGES variant, timed only if its output is
-`w4a16_gemv.cu`'s bit for bit. % of copy is on the packed bytes (codes and scales) against a copy measured
-in the same run. W4A16 also shows the bf16 GEMVs on the same weights (cuBLAS and kforge's
+`w4a16_gemv.cu`'s bit for bit. % of copy is on the packed bytes (codes and scales) against a
+copy measured in the same run. W4A16 also shows the bf16 GEMVs on the same weights (cuBLAS and kforge's
 `gemv`), and both the 4-bit and the bf16 CUDA kernels as a decode step runs them: eight
 calls on eight weights back to back in one CUDA graph, per call.
 """

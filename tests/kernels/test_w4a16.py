@@ -334,32 +334,32 @@ def test_the_one_token_cuda_kernel_compiles_for_sm90_as_designed():
     assert sum(loop.values()) <= 3.6 * 32 * rows, f"{sum(loop.values()) / (32 * rows):.2f} instructions a weight"
 
 
-def test_the_bulk_fed_kernel_compiles_for_sm90_as_designed():
+@pytest.mark.parametrize("rows, per_weight", [(2, 2.9), (4, 2.7)])
+def test_the_bulk_fed_kernel_compiles_for_sm90_as_designed(rows, per_weight):
     """w4a16_gemv_bulk.cu: W and its scales arrive by bulk copies (UBLKCP) and the consumers'
     inner loop reads shared memory only (no global loads): per 16-byte unit, x's 32 prescaled
     values (8 LDS.128), its offset, and each row's 16 bytes and scale; one FFMA a weight, no
-    int -> float conversion, no spills, and under 2.7 instructions a weight at 4 rows a warp
-    (w4a16_gemv.cu: ~3.5)."""
+    int -> float conversion, no spills; under 2.9 instructions a weight at 2 rows a warp (the
+    default), 2.7 at 4 (w4a16_gemv.cu: ~3.5)."""
     from collections import Counter
 
     from kforge.runtime.cuda import compile_cuda, resources, sass
 
-    rows = 4
     cubin = compile_cuda(w4a16.BULK_SOURCE, arch="sm_90a", defines={"ROWS": rows, "CONSUMERS": 4, "STAGES": 4})
     used = resources(cubin)["w4a16_gemv_bulk"]
     assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0), used
     code = sass(cubin)
     assert "UBLKCP.S.G" in code, "the bulk copies"
     lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", code)
-    loops = [lines[[int(a, 16) for a, _ in lines].index(int(target, 16)):i]
-             for i, (address, text) in enumerate(lines)
+    position = {int(address, 16): i for i, (address, _) in enumerate(lines)}
+    loops = [lines[position[int(target, 16)]:i] for i, (address, text) in enumerate(lines)
              for target in re.findall(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text) if int(target, 16) < int(address, 16)]
     inner = min((loop for loop in loops if any("LDS.128" in t for _, t in loop)), key=len)
     ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in inner)
     assert ops["LDS.128"] == 8 + rows and ops["LDS.U16"] == rows and ops["LDS"] == 1, ops
     assert not any(op.startswith(("LDG", "LD.", "I2F", "F2I")) for op in ops), ops
     assert ops["FFMA"] >= 33 * rows, ops  # 32 products and the scale a row
-    assert len(inner) <= 2.7 * 32 * rows, f"{len(inner) / (32 * rows):.2f} instructions a weight"
+    assert len(inner) <= per_weight * 32 * rows, f"{len(inner) / (32 * rows):.2f} instructions a weight"
 
 
 def _count_cuda_launches(monkeypatch):
@@ -400,8 +400,9 @@ def test_the_one_token_cuda_kernel_in_every_variant_group_and_odd_shape(monkeypa
 @pytest.mark.parametrize("rows, consumers, stages", [(4, 4, 4), (2, 8, 2), (8, 4, 2), (2, 4, 8)])
 def test_the_bulk_fed_kernel_computes_the_one_token_kernels_bits(rows, consumers, stages):
     """w4a16_gemv_bulk.cu against w4a16_gemv.cu, bit for bit (the same sums in the same order),
-    and against float64: a tile with fewer rows than the block's (N = 5, 1000, 4100), one chunk
-    (K = 1024, 4096), a short last chunk (14336 = 3.5 chunks), Llama-3-8B widths, x far from 1;
+    and against float64: a tile with fewer rows than the block's (N = 5, 1000, 4100, 12289), one
+    chunk (K = 1024, 2048, 4096), a short last chunk (14336 = 3.5 chunks), Llama-3-8B widths, x
+    far from 1;
     every output NaN-poisoned first. Shapes it does not take (K % 1024, group 64, a padded W) are
     refused by bulk_kernel_fits."""
     cases = [(5, 1024, 1.0), (1000, 4096, 1e12), (4100, 14336, 1.0), (28672, 4096, 1.0), (4096, 14336, 1e-12),

@@ -475,7 +475,6 @@ def launch_bulk_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         if stages is None:
             stages = max((d for d in range(2, 5) if bulk_shared_bytes(k, rows, consumers, d) <= BULK_SHARED_LIMIT),
                          default=2)
-
         variant = ("bulk", rows, consumers, stages)
         kernel = _CUDA_LAUNCHES.get(variant)
         if kernel is None:
