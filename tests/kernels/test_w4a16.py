@@ -11,7 +11,6 @@ back), the op under inductor."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import textwrap
@@ -343,19 +342,15 @@ def test_the_bulk_fed_kernel_compiles_for_sm90_as_designed(rows, per_weight):
     default), 2.7 at 4 (w4a16_gemv.cu: ~3.5)."""
     from collections import Counter
 
-    from kforge.runtime.cuda import compile_cuda, resources, sass
+    from kforge.runtime.cuda import compile_cuda, resources, sass, sass_loops
 
     cubin = compile_cuda(w4a16.BULK_SOURCE, arch="sm_90a", defines={"ROWS": rows, "CONSUMERS": 4, "STAGES": 4})
     used = resources(cubin)["w4a16_gemv_bulk"]
     assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0), used
     code = sass(cubin)
     assert "UBLKCP.S.G" in code, "the bulk copies"
-    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", code)
-    position = {int(address, 16): i for i, (address, _) in enumerate(lines)}
-    loops = [lines[position[int(target, 16)]:i] for i, (address, text) in enumerate(lines)
-             for target in re.findall(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text) if int(target, 16) < int(address, 16)]
-    inner = min((loop for loop in loops if any("LDS.128" in t for _, t in loop)), key=len)
-    ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in inner)
+    inner = min((loop for loop in sass_loops(code) if "LDS.128" in loop), key=len)  # the consumers' unit loop
+    ops = Counter(inner)
     assert ops["LDS.128"] == 8 + rows and ops["LDS.U16"] == rows and ops["LDS"] == 1, ops
     assert not any(op.startswith(("LDG", "LD.", "I2F", "F2I")) for op in ops), ops
     assert ops["FFMA"] >= 33 * rows, ops  # 32 products and the scale a row

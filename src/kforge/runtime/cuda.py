@@ -270,19 +270,24 @@ def sass(cubin: Cubin) -> str:
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 
 
-def loop_opcodes(code: str) -> list[str]:
-    """The opcodes (with their modifiers, without predicates) of the loops in `sass` text: every
-    instruction from a backward branch's target up to the branch. What a kernel's steady state
-    issues; the tests count them per value a loop consumes."""
+def sass_loops(code: str) -> list[list[str]]:
+    """Each loop of `sass` text as its opcodes (with their modifiers, without predicates): every
+    instruction from a backward branch's target up to the branch."""
     lines = _SASS_LINE.findall(code)
     position = {int(address, 16): i for i, (address, _) in enumerate(lines)}
-    found = []
+    loops = []
     for i, (address, text) in enumerate(lines):
         target = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < int(address, 16):
             body = lines[position[int(target.group(1), 16)]:i]
-            found += [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in body]
-    return found
+            loops.append([re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in body])
+    return loops
+
+
+def loop_opcodes(code: str) -> list[str]:
+    """The opcodes of all the loops in `sass` text (`sass_loops`), one after another. What a
+    kernel's steady state issues; the tests count them per value a loop consumes."""
+    return [opcode for loop in sass_loops(code) for opcode in loop]
 
 
 def _spills_per_kernel(log: str) -> dict[str, tuple[int, int]]:
