@@ -1,6 +1,6 @@
 """The 4-bit GEMVs on the GPU, kernel by kernel: W4A16 at batch 1 and the batched NVFP4 GEMV.
 
-    PYTHONPATH=src python scripts/quant_gemv_sweep.py [nvfp4] [w4a16]   (default: both)
+    PYTHONPATH=src python scripts/quant_gemv_sweep.py [nvfp4] [w4a16] [w4a16-batch]   (default: the first two)
 
 For each shape, the CUDA kernels (`w4a16_gemv.cu`, `nvfp4_gemv.cu`) in every ROWS x WARPS
 variant below and the Triton kernels they replace are checked against the reference first
@@ -10,7 +10,9 @@ with two ceilings beside them: a read-only stream of the same bytes (`read_strea
 an empty launch. W4A16 also runs `w4a16_gemv_bulk.cu` (W streamed into shared memory by the
 bulk-copy engine) in each ROWS x CONSUMERS x STAGES variant, timed only if its output is
 `w4a16_gemv.cu`'s bit for bit. % of copy is on the packed bytes (codes and scales) against a
-copy measured in the same run. W4A16 also shows the bf16 GEMVs on the same weights (cuBLAS and kforge's
+copy measured in the same run. `w4a16-batch` times 3 to 32 tokens: `w4a16_mma.cu` in each
+MT x KW variant against the Triton tensor-core path it replaces and cuBLAS on the dequantized W.
+W4A16 also shows the bf16 GEMVs on the same weights (cuBLAS and kforge's
 `gemv`), and both the 4-bit and the bf16 CUDA kernels as a decode step runs them: eight
 calls on eight weights back to back in one CUDA graph, per call.
 """
@@ -33,6 +35,12 @@ GRAPHED = 8
 VARIANTS = [(1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4)]  # (ROWS, WARPS)
 BULK_VARIANTS = [(2, 4, 4), (2, 4, 5), (4, 4, 4), (4, 4, 2), (2, 8, 4), (1, 8, 4)]  # ROWS, CONSUMERS, STAGES
 W4A16_SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (28672, 4096)]
+# (MT, KW, XPF) of w4a16_mma.cu by NT (8-token tiles)
+MMA_VARIANTS = {1: [(m, k, x) for m, k in ((1, 4), (1, 8), (1, 16), (2, 2), (2, 4), (4, 2)) for x in (0, 1)],
+                2: [(m, k, x) for m, k in ((1, 8), (2, 2), (2, 4), (2, 8), (3, 4), (4, 2)) for x in (0, 1)],
+                4: [(2, 4, 0), (2, 8, 0), (2, 8, 1), (3, 2, 0), (3, 4, 0), (4, 2, 0)]}
+BATCH_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 4096)]
+BATCHES = [3, 8, 16, 32]  # NT 1, 1, 2, 4
 NVFP4_SHAPES = [(7168, 16384, 1), (4096, 7168, 8), (7168, 2048, 4)]  # (M, K, L)
 
 
@@ -118,6 +126,39 @@ def sweep_w4a16(copy_gbps, stream, sink, blocks):
         report({name: ms / GRAPHED for name, ms in median_ms(replays, ROUNDS // 4).items()}, nbytes, copy_gbps)
 
 
+def sweep_w4a16_batch(copy_gbps, stream, sink, blocks):
+    for n, k in BATCH_SHAPES:
+        for batch in BATCHES:
+            _, qweight, scales = w4a16_inputs(n, k)
+            x = torch.randn(batch, k, device="cuda").bfloat16()
+            w = dequantize_int4(qweight, scales, 128)
+            want = torch.nn.functional.linear(x.double(), w.double())
+            triton_tile = {"path": "mma", **w4a16.MMA_CONFIGS[0]}
+            fns = {"cuBLAS bf16 (F.linear on the dequantized W)": lambda: torch.nn.functional.linear(x, w),
+                   "Triton w4a16 mma + split sum": lambda: w4a16.w4a16_matmul(x, qweight, scales,
+                                                                               config=triton_tile)}
+            for m_tiles, k_warps, x_ahead in MMA_VARIANTS[-(-batch // 8)]:
+                if w4a16.mma_shared_bytes(m_tiles, -(-batch // 8), k_warps) > w4a16.MMA_SHARED_LIMIT:
+                    continue
+                y = torch.full((batch, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+                def call(m_tiles=m_tiles, k_warps=k_warps, x_ahead=x_ahead, y=y):
+                    w4a16.launch_cuda_mma(x, qweight, scales, 128, y, m_tiles=m_tiles, k_warps=k_warps,
+                                          x_ahead=bool(x_ahead))
+
+                call()
+                name = f"CUDA w4a16_mma MT={m_tiles} KW={k_warps} XPF={x_ahead}" + (
+                    " (default)" if (m_tiles, k_warps, x_ahead) == w4a16.mma_variant(n, batch) else "")
+                if torch.allclose(y.double(), want, atol=2e-2, rtol=2e-2):
+                    fns[name] = call
+                else:
+                    print(f"  {name}: WRONG, max error {(y.double() - want).abs().nan_to_num(1e9).max().item():.3g}")
+            nbytes = qweight.numel() + scales.numel() * 2 + (k + n) * 2 * batch
+            ceilings(fns, nbytes, stream, sink, blocks)
+            print(f"W4A16 batch {batch}, W {n} x {k} ({nbytes / 1e6:.1f} MB packed)")
+            report(median_ms(fns, ROUNDS // 2, sleep_cycles=1_000_000), nbytes, copy_gbps)
+
+
 def sweep_nvfp4(copy_gbps, stream, sink, blocks):
     for m, k, batches in NVFP4_SHAPES:
         a, a_scales, a_gs = quantize_nvfp4(torch.randn(batches, m, k, device="cuda"))
@@ -164,6 +205,8 @@ def main():
         sweep_nvfp4(copy_gbps, stream, sink, blocks)
     if "w4a16" in groups:
         sweep_w4a16(copy_gbps, stream, sink, blocks)
+    if "w4a16-batch" in groups:
+        sweep_w4a16_batch(copy_gbps, stream, sink, blocks)
 
 
 if __name__ == "__main__":

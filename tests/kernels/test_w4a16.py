@@ -10,6 +10,7 @@ back), the op under inductor."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -357,6 +358,33 @@ def test_the_bulk_fed_kernel_compiles_for_sm90_as_designed(rows, per_weight):
     assert len(inner) <= per_weight * 32 * rows, f"{len(inner) / (32 * rows):.2f} instructions a weight"
 
 
+@pytest.mark.parametrize("m_tiles, n_tiles, per_weight", [(2, 2, 2.7), (2, 4, 3.4), (4, 1, 2.3)])
+def test_the_few_token_mma_kernel_compiles_for_sm90_as_designed(m_tiles, n_tiles, per_weight):
+    """w4a16_mma.cu's loop (two chunks of 128 k, taking turns): per chunk and m-tile, 8 k16 steps of
+    NT bf16 mma.sync; the weights decoded without a conversion (one LOP3 and one bf16x2 FMA a pair,
+    no I2F, no per-use rebuild of the mask constant); W's 16-byte loads skip L1, x's stay in it;
+    no spills; under `per_weight` instructions a weight (an SM can issue ~4.9 a weight at 3 TB/s)."""
+    from collections import Counter
+
+    from kforge.runtime.cuda import compile_cuda, resources, sass, sass_loops
+
+    cubin = compile_cuda(w4a16.MMA_SOURCE, arch="sm_90a", defines={"MT": m_tiles, "NT": n_tiles, "KW": 4})
+    used = resources(cubin)["w4a16_mma"]
+    assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0), used
+    assert used.shared_bytes == w4a16.mma_shared_bytes(m_tiles, n_tiles, 4) + 1024, used  # + the 1 KB sm_90 keeps
+    loop = max(sass_loops(sass(cubin)), key=len)
+    ops = Counter(loop)
+    chunks = 2
+    assert ops["HMMA.16816.F32.BF16"] == chunks * 8 * m_tiles * n_tiles, ops
+    assert ops["HFMA2.BF16_V2"] == chunks * m_tiles * 32, ops  # 2 rows x 4 words x 4 pairs, a chunk and m-tile
+    assert ops["LOP3.LUT"] <= ops["HFMA2.BF16_V2"] + 8, ops
+    assert ops["LDG.E.NA.128.CONSTANT"] == chunks * 2 * m_tiles and ops["LDG.E.128.CONSTANT"] == chunks * 4 * n_tiles
+    assert ops["IMAD.MOV.U32"] <= 16, ops
+    assert not any(op.startswith(("I2F", "F2I", "LDL", "STL")) for op in ops), ops
+    weights = chunks * m_tiles * 2 * 32  # a lane's
+    assert len(loop) <= per_weight * weights, f"{len(loop) / weights:.2f} instructions a weight"
+
+
 def _count_cuda_launches(monkeypatch):
     calls = []
     real = w4a16.launch_cuda_gemv
@@ -436,6 +464,51 @@ def test_one_token_takes_the_bulk_fed_kernel_where_it_is_faster(monkeypatch, nan
         x, qweight, scales = _inputs(1, n, k, group, "cuda", seed=n + k)
         assert_matches(w4a16_matmul(x, qweight, scales, group), x, qweight, scales, group)
         assert len(bulk_calls) - before == int(bulk), (n, k, group)
+
+
+@pytest.mark.gpu
+def test_the_few_token_mma_kernel_in_every_variant_batch_group_and_odd_shape(nan_outputs):
+    """w4a16_mma.cu against float64 for 3 to 32 tokens (one to four n-tiles, the last partly past
+    the batch), every (MT, KW, XPF) variant that fits shared memory, N not a multiple of a block's rows
+    (9, 777, 4100), K of one chunk (fewer chunks than warps) to 112, groups of 1, 2 and 4 chunks,
+    x far from 1, x with padded rows and W with padded rows; each output NaN-poisoned first."""
+    cases = [(777, 1152, 128, 1.0), (9, 128, 128, 1.0), (4100, 4096, 256, 1e12), (300, 14336, 512, 1e-12),
+             (1000, 2048, 128, 1.0)]
+    for batch in (3, 8, 9, 16, 17, 32):
+        for n, k, group, x_scale in cases:
+            x, qweight, scales = _inputs(batch, n, k, group, "cuda", seed=batch + n, x_scale=x_scale)
+            assert w4a16.cuda_mma_fits(x, qweight, group)
+            for m_tiles, k_warps, x_ahead in itertools.product((1, 2, 3, 4), (1, 4, 8), (False, True)):
+                if w4a16.mma_shared_bytes(m_tiles, triton.cdiv(batch, 8), k_warps) > w4a16.MMA_SHARED_LIMIT:
+                    continue
+                y = torch.full((batch, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                w4a16.launch_cuda_mma(x, qweight, scales, group, y, m_tiles=m_tiles, k_warps=k_warps, x_ahead=x_ahead)
+                assert_matches(y, x, qweight, scales, group)
+    x, qweight, scales = _inputs(5, 300, 1024, 128, "cuda")
+    wide_x = torch.randn(5, 1024 + 64, device="cuda").bfloat16()
+    wide_x[:, :1024] = x
+    padded = torch.zeros(300, 1024 // 2 + 16, dtype=torch.uint8, device="cuda")
+    padded[:, :512] = qweight
+    assert w4a16.cuda_mma_fits(wide_x[:, :1024], padded[:, :512], 128)
+    assert_matches(w4a16_matmul(wide_x[:, :1024], padded[:, :512], scales), x, qweight, scales, 128)
+    with pytest.raises(ValueError, match="shared memory"):
+        w4a16.launch_cuda_mma(*_inputs(32, 64, 1024, 128, "cuda"), 128, torch.empty(32, 64, device="cuda").bfloat16(),
+                              m_tiles=4, k_warps=8)
+
+
+@pytest.mark.gpu
+def test_a_few_tokens_take_the_mma_kernel_where_it_fits(monkeypatch, nan_outputs):
+    """w4a16_matmul for 3 to 32 tokens: w4a16_mma.cu where the group is 128 k times a power of two,
+    the Triton kernels otherwise (group 64; 384, three chunks); one and two tokens never."""
+    calls = []
+    real = w4a16.launch_cuda_mma
+    monkeypatch.setattr(w4a16, "launch_cuda_mma", lambda *args, **kw: calls.append(args) or real(*args, **kw))
+    for (batch, group), taken in {(3, 128): True, (32, 256): True, (16, 64): False, (16, 384): False,
+                                  (1, 128): False, (2, 128): False}.items():
+        before = len(calls)
+        x, qweight, scales = _inputs(batch, 1000, 1536, group, "cuda", seed=batch)
+        assert_matches(w4a16_matmul(x, qweight, scales, group), x, qweight, scales, group)
+        assert len(calls) - before == int(taken), (batch, group)
 
 
 @pytest.mark.gpu

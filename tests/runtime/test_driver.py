@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kforge.errors import KforgeError
 from kforge.runtime import driver
 from kforge.runtime.driver import LaunchAttribute, LaunchConfig, LeanLaunch, TensorMaps
 
@@ -126,6 +127,19 @@ def test_a_float_argument_is_passed_as_four_bytes_of_float(fake):
     launch(0, 3, 1e-5)
     value = ctypes.c_float.from_address(launch._params[1])
     assert value.value == pytest.approx(1e-5, rel=1e-6) and ctypes.sizeof(value) == 4
+
+
+def test_maps_with_one_scalar_or_none_and_a_value_out_of_its_kind(fake):
+    """The scalars are packed into their slots in one go: with one scalar among maps, with none,
+    and an i32 that does not fit 32 bits is refused with a message, not wrapped around."""
+    launch = LeanLaunch(1, (1, 1, 1), (32, 1, 1), 0, None, ("map", "i32", "map"))
+    launch(0, 0x1000, -5, 0x2000)
+    params = fake.launches[-1]["params"]
+    assert params[0] == 0x1000 and params[2] == 0x2000 and ctypes.c_int32.from_address(params[1]).value == -5
+    LeanLaunch(1, (1, 1, 1), (32, 1, 1), 0, None, ("map",))(0, 0x3000)
+    assert fake.launches[-1]["params"][0] == 0x3000
+    with pytest.raises(KforgeError, match="does not fit its kind"):
+        LeanLaunch(1, (1, 1, 1), (32, 1, 1), 0, None, ("ptr", "i32"))(0, 0x1000, 2**31)
 
 
 def test_a_descriptor_is_encoded_once_per_address_innermost_dimension_first(fake):

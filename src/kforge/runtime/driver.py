@@ -23,6 +23,8 @@ CUlaunchAttribute 72, CUtensorMap 128 aligned to 64.
 from __future__ import annotations
 
 import ctypes
+import operator
+import struct
 from collections.abc import Sequence
 from functools import cache
 
@@ -33,6 +35,7 @@ TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN = 128, 64
 DATA_TYPES = {"uint8": 0, "float16": 6, "bfloat16": 9}  # CUtensorMapDataType (fp8 travels as uint8)
 SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}  # swizzle bytes -> CUtensorMapSwizzle
 L2_PROMOTIONS = {0: 0, 64: 1, 128: 2, 256: 3}  # bytes -> CUtensorMapL2promotion
+SCALAR_SLOTS = {"ptr": "Q", "i32": "i4x", "f32": "f4x"}  # struct formats: each scalar in 8 bytes, little-endian
 
 
 class DriverError(KforgeError):
@@ -150,23 +153,35 @@ class LeanLaunch:
             self._attribute = LaunchAttribute(CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, b"", _ClusterDim(*cluster))
             self.config.attrs = ctypes.pointer(self._attribute)
             self.config.numAttrs = 1
-        # A map's parameter is its descriptor's own address; a scalar's, the address of its storage here.
-        scalars = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
-        self._values = [None if kind == "map" else scalars[kind]() for kind in kinds]
-        self._params = (ctypes.c_void_p * len(kinds))(*(0 if v is None else ctypes.addressof(v) for v in self._values))
-        self._positions = tuple(enumerate(self._values))
+        # A map's parameter is its descriptor's own address. The scalars live in 8-byte slots of one
+        # buffer that a call fills with a single struct.pack_into (setting ctypes values one by one
+        # cost ~0.3 us an argument on the H100's host); a scalar's parameter is its slot's address.
+        self._count = len(kinds)
+        self._maps = tuple(i for i, kind in enumerate(kinds) if kind == "map")
+        scalars = [i for i, kind in enumerate(kinds) if kind != "map"]
+        self._pick_scalars = operator.itemgetter(*scalars) if len(scalars) > 1 else lambda args: tuple(
+            args[i] for i in scalars)
+        self._pack = struct.Struct("<" + "".join(SCALAR_SLOTS[kinds[i]] for i in scalars)).pack_into
+        self._slots = (ctypes.c_uint64 * max(len(scalars), 1))()
+        base = ctypes.addressof(self._slots)
+        slot_of = {i: base + 8 * n for n, i in enumerate(scalars)}
+        self._params = (ctypes.c_void_p * self._count)(*(slot_of.get(i, 0) for i in range(self._count)))
 
     def __call__(self, stream: int, *args: int) -> None:
         """Launch on `stream` (a raw CUstream handle) with every argument, in order."""
-        if len(args) != len(self._values):
-            raise KforgeError(f"LeanLaunch: {len(self._values)} arguments expected, got {len(args)}")
-        params = self._params
-        for (i, value), arg in zip(self._positions, args):
-            if value is None:
-                params[i] = arg
-            else:
-                value.value = arg
+        if len(args) != self._count:
+            raise KforgeError(f"LeanLaunch: {self._count} arguments expected, got {len(args)}")
+        scalars = args
+        if self._maps:
+            params = self._params
+            for i in self._maps:
+                params[i] = args[i]
+            scalars = self._pick_scalars(args)
+        try:
+            self._pack(self._slots, 0, *scalars)
+        except struct.error as error:
+            raise KforgeError(f"LeanLaunch: an argument does not fit its kind: {error}") from None
         self.config.hStream = stream
-        status = self._launch(ctypes.byref(self.config), self.function, params, None)
+        status = self._launch(ctypes.byref(self.config), self.function, self._params, None)
         if status:
             raise _fail("cuLaunchKernelEx", status)

@@ -438,17 +438,21 @@ def bulk_kernel_fits(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                                                                       stages)
 
 
-_HOPPER: dict[int, bool] = {}  # by device index (a capability query costs microseconds a call)
+_CAPABILITY: dict[int, tuple[int, int]] = {}  # by device index (a query costs microseconds a call)
+
+
+def _capability(index: int) -> tuple[int, int]:
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
 
 
 def _bulk_operands_fit(x, qweight, scales, group, rows=2, consumers=4, stages=2) -> bool:
     """A Hopper GPU (bulk copies), a K of whole 1024s (a chunk's scales are whole 16-byte copies),
     group 128, W and its scales contiguous (the scales 16-byte aligned), and a ring of `stages`
     beside x in shared memory."""
-    k, index = x.shape[1], x.device.index
-    if index not in _HOPPER:
-        _HOPPER[index] = torch.cuda.get_device_capability(index) >= (9, 0)
-    return (_HOPPER[index] and group == 128 and k % 1024 == 0 and qweight.is_contiguous() and scales.is_contiguous()
+    k = x.shape[1]
+    return (_capability(x.device.index) >= (9, 0) and group == 128 and k % 1024 == 0 and qweight.is_contiguous() and scales.is_contiguous()
             and scales.data_ptr() % 16 == 0 and bulk_shared_bytes(k, rows, consumers, stages) <= BULK_SHARED_LIMIT)
 
 
@@ -489,6 +493,86 @@ def launch_bulk_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
            y.data_ptr(), n, k)
 
 
+MMA_SOURCE = Path(__file__).with_name("w4a16_mma.cu")
+MMA_KINDS = ("ptr",) * 4 + ("i32",) * 8
+MMA_SHARED_LIMIT = 48 * 1024  # the kernel's cross-warp sums are static shared memory
+
+
+def mma_shared_bytes(m_tiles: int, n_tiles: int, k_warps: int) -> int:
+    """`w4a16_mma.cu`'s shared memory: every warp but the first hands warp 0 its fp32 sums."""
+    return max(k_warps - 1, 1) * m_tiles * n_tiles * 4 * 32 * 4
+
+
+def mma_variant(n: int, batch: int) -> tuple[int, int, bool]:
+    """(MT, KW, XPF) of `w4a16_mma.cu`: 16-row m-tiles a warp, warps a block (splitting K), and
+    whether x is loaded a chunk ahead with W. The fastest measured on the H100 at N x K = 4096 x
+    4096, 14336 x 4096, 4096 x 14336, 28672 x 4096 and batches 3, 8, 16, 32 (2026-11-26,
+    benchmarks/notes/2026-11-26-session17/sweep-w4a16-mma-2.txt): few rows want more warps on K;
+    x ahead pays where its registers fit (it did not at 14336 and 28672 rows beyond 8 tokens). At
+    17-32 tokens and over 16384 rows, 4 m-tiles spill a little at 32 tokens and still measured fastest."""
+    n_tiles = triton.cdiv(batch, 8)
+    if n_tiles == 1:
+        return (1, 8, True) if n <= 8192 else (2, 4, True)
+    if n_tiles == 2:
+        return (2, 8, True) if n <= 8192 else (2, 4, False) if n <= 16384 else (2, 2, False)
+    return (2, 8, n_tiles == 3) if n <= 8192 else (3, 2, False) if n <= 16384 else (4, 2, False)
+
+
+def cuda_mma_fits(x: torch.Tensor, qweight: torch.Tensor, group: int) -> bool:
+    """Whether `w4a16_mma.cu` takes (checked) 2-D x: 3 to 32 tokens on a GPU with bf16 mma.sync
+    (sm_80 on), K of whole 128-k chunks, a group of a power-of-two number of chunks (the scale's
+    index is a shift), 16-byte loads of W and x (rows and addresses 16-byte aligned)."""
+    batch, k = x.shape
+    chunks_a_group = group // 128
+    return (x.is_cuda and GEMV_MAX_BATCH < batch <= MAX_BATCH and k % 128 == 0 and group % 128 == 0
+            and chunks_a_group & (chunks_a_group - 1) == 0 and _capability(x.device.index) >= (8, 0)
+            and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0
+            and qweight.stride(0) % 16 == 0)
+
+
+def launch_cuda_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int, y: torch.Tensor, *,
+                    m_tiles: int | None = None, k_warps: int | None = None, x_ahead: bool | None = None) -> None:
+    """y (M, N) on `w4a16_mma.cu` for operands that `cuda_mma_fits`; `m_tiles`, `k_warps` and
+    `x_ahead` pick its MT, KW and XPF (default: `mma_variant`), NT follows M. A plan per shape and
+    strides keeps the lean launch with its scalar arguments: a call passes the four pointers."""
+    key = (x.shape, qweight.shape[0], group, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+           x.device.index, m_tiles, k_warps, x_ahead)
+    plan = _MMA_PLANS.get(key)
+    if plan is None:
+        plan = _MMA_PLANS[key] = _mma_plan(x, qweight, scales, group, y, m_tiles, k_warps, x_ahead)
+    launch, index, scalars = plan
+    launch(torch._C._cuda_getCurrentRawStream(index), qweight.data_ptr(), scales.data_ptr(), x.data_ptr(),
+           y.data_ptr(), *scalars)
+
+
+_MMA_PLANS: dict[tuple, tuple] = {}
+
+
+def _mma_plan(x, qweight, scales, group, y, m_tiles, k_warps, x_ahead) -> tuple:
+    """(lean launch, device index, the scalar arguments) of `w4a16_mma.cu` for one shape."""
+    batch, k = x.shape
+    n = qweight.shape[0]
+    default_mt, default_kw, default_xpf = mma_variant(n, batch)
+    m_tiles, k_warps = m_tiles or default_mt, k_warps or default_kw
+    x_ahead = default_xpf if x_ahead is None else x_ahead
+    n_tiles = triton.cdiv(batch, 8)
+    if mma_shared_bytes(m_tiles, n_tiles, k_warps) > MMA_SHARED_LIMIT:
+        raise ValueError(f"w4a16_mma.cu with MT={m_tiles}, NT={n_tiles}, KW={k_warps} needs "
+                         f"{mma_shared_bytes(m_tiles, n_tiles, k_warps)} bytes of shared memory, over {MMA_SHARED_LIMIT}")
+    variant = ("mma", m_tiles, n_tiles, k_warps, x_ahead)
+    kernel = _CUDA_LAUNCHES.get(variant)
+    if kernel is None:
+        from kforge.runtime.cuda import CudaKernel
+
+        kernel = _CUDA_LAUNCHES[variant] = CudaKernel.from_file(
+            MMA_SOURCE, "w4a16_mma", defines={"MT": m_tiles, "NT": n_tiles, "KW": k_warps, "XPF": int(x_ahead)})
+    index = x.device.index
+    launch = kernel.lean(triton.cdiv(n, 16 * m_tiles), 32 * k_warps, index, kinds=MMA_KINDS)
+    scalars = (n, batch, k // 128, (group // 128).bit_length() - 1, qweight.stride(0) // 16, scales.stride(0),
+               x.stride(0) // 8, y.stride(0))
+    return launch, index, scalars
+
+
 def launch_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int,
                  config: dict | None) -> torch.Tensor:
     """y (M, N) bf16 for checked 2-D x; `config` None picks the path and tile (see _choose_config)."""
@@ -504,6 +588,9 @@ def launch_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, g
             launch_bulk_gemv(x, qweight, scales, y)
         else:
             launch_cuda_gemv(x, qweight, scales, group, y)
+        return y
+    if config is None and cuda_mma_fits(x, qweight, group):
+        launch_cuda_mma(x, qweight, scales, group, y)
         return y
     from kforge.runtime.interpreter import interpreter_active
 
