@@ -33,7 +33,7 @@ from kforge.runtime.cuda import CudaKernel
 ROUNDS = 200
 GRAPHED = 8
 VARIANTS = [(1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4)]  # (ROWS, WARPS)
-BULK_VARIANTS = [(2, 4, 4), (2, 4, 5), (4, 4, 4), (4, 4, 2), (2, 8, 4), (1, 8, 4)]  # ROWS, CONSUMERS, STAGES
+BULK_VARIANTS = [(2, 4, 4), (2, 4, 5), (4, 4, 4), (2, 5, 4), (2, 5, 3), (1, 5, 4), (2, 7, 2)]  # ROWS, CONSUMERS, STAGES
 W4A16_SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336), (28672, 4096)]
 # (MT, KW, XPF) of w4a16_mma.cu by NT (8-token tiles)
 MMA_VARIANTS = {1: [(m, k, x) for m, k in ((1, 4), (1, 8), (1, 16), (2, 2), (2, 4), (4, 2)) for x in (0, 1)],

@@ -69,6 +69,13 @@ tensor-core path): 11-30% of copy, paying the split-K partials and a second laun
 Where K <= 4096 and N >= 12288 a second CUDA kernel takes the token (`w4a16_gemv_bulk.cu`: W
 streamed into shared memory by the bulk-copy engine, the same sums bit for bit): 2026-11-26,
 14336 x 4096 16.3 us (60%), 28672 x 4096 25.6 us (77%, 90% of the read stream).
+
+For 3 to 32 tokens on a GPU `w4a16_mma.cu` takes over from the tensor-core path above where the
+group is 128 k times a power of two: bf16 mma.sync on q decoded by one LOP3 and one bf16x2 FMA a
+pair (the nibbles' bf16 bits with 128 as the exponent, minus 136), the warps of a block splitting
+K and adding their sums in shared memory: one launch, no partials in HBM. 2026-11-26, 16 tokens
+at 14336 x 4096: 21.1 us against this path's 34 and cuBLAS's 45; 32 at 4096 x 4096: 14.7 us
+against 28.5 and 17.0 (benchmarks/notes/2026-11-26-session17).
 """
 
 from __future__ import annotations
