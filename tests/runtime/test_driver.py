@@ -142,6 +142,38 @@ def test_maps_with_one_scalar_or_none_and_a_value_out_of_its_kind(fake):
         LeanLaunch(1, (1, 1, 1), (32, 1, 1), 0, None, ("ptr", "i32"))(0, 0x1000, 2**31)
 
 
+def test_threads_sharing_a_launch_each_launch_their_own_arguments(monkeypatch):
+    """The driver reads the argument slots during the launch call; a thread switch inside it (the
+    fake sleeps between its two reads) must not let another thread's arguments into them."""
+    import threading
+    import time
+
+    seen = []
+
+    class SlowDriver:
+        def cuLaunchKernelEx(self, config_ref, function, params, extra):
+            first = ctypes.c_uint64.from_address(params[0]).value
+            time.sleep(0)  # lets another thread run between the driver's reads
+            seen.append((first, ctypes.c_uint64.from_address(params[1]).value, config_ref._obj.hStream))
+            return 0
+
+    monkeypatch.setattr(driver, "libcuda", lambda: SlowDriver())
+    launch = LeanLaunch(1, (1, 1, 1), (32, 1, 1), 0, None, ("ptr", "ptr"))
+
+    def work(thread):
+        for i in range(300):
+            value = thread << 32 | i
+            launch(thread, value, value)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 1200
+    assert all(a == b and a >> 32 == stream for a, b, stream in seen), "a launch read another thread's arguments"
+
+
 def test_a_descriptor_is_encoded_once_per_address_innermost_dimension_first(fake):
     maps = TensorMaps("bfloat16", 300, 520, 1040, (128, 64), swizzle_bytes=128)
     first = maps.address_of(0x1000)

@@ -12,8 +12,9 @@ the C structures a launch reads: the `CUlaunchConfig` (cluster shape as an attri
 `void*` per argument; `TensorMaps` keeps an operand's TMA descriptors (64-byte-aligned,
 128 bytes, `cuTensorMapEncodeTiled`) by address. A call points the argument array at the
 descriptors and the scalars and calls `cuLaunchKernelEx` on torch's current stream. The
-driver copies the parameters at launch, so everything is free again when the call returns;
-a launch object is not shared between threads (the GEMM keys its plans by thread).
+driver copies the parameters at launch, so everything is free again when the call returns.
+A lock holds the slots from packing to launch, so threads may share a launch object (the
+kernels keep one per shape; the GEMM's plans are per thread for their workspaces anyway).
 
 Struct layouts are those of CUDA 12/13's cuda.h on x86-64 and aarch64 (checked by the tests
 against the header where a C compiler is available): CUlaunchConfig 56 bytes,
@@ -25,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import operator
 import struct
+import threading
 from collections.abc import Sequence
 from functools import cache
 
@@ -166,6 +168,7 @@ class LeanLaunch:
         base = ctypes.addressof(self._slots)
         slot_of = {i: base + 8 * n for n, i in enumerate(scalars)}
         self._params = (ctypes.c_void_p * self._count)(*(slot_of.get(i, 0) for i in range(self._count)))
+        self._lock = threading.Lock()
 
     def __call__(self, stream: int, *args: int) -> None:
         """Launch on `stream` (a raw CUstream handle) with every argument, in order."""
@@ -173,15 +176,17 @@ class LeanLaunch:
             raise KforgeError(f"LeanLaunch: {self._count} arguments expected, got {len(args)}")
         scalars = args
         if self._maps:
-            params = self._params
-            for i in self._maps:
-                params[i] = args[i]
             scalars = self._pick_scalars(args)
-        try:
-            self._pack(self._slots, 0, *scalars)
-        except struct.error as error:
-            raise KforgeError(f"LeanLaunch: an argument does not fit its kind: {error}") from None
-        self.config.hStream = stream
-        status = self._launch(ctypes.byref(self.config), self.function, self._params, None)
+        with self._lock:  # another thread's arguments must not land in the slots before the driver copies them
+            if self._maps:
+                params = self._params
+                for i in self._maps:
+                    params[i] = args[i]
+            try:
+                self._pack(self._slots, 0, *scalars)
+            except struct.error as error:
+                raise KforgeError(f"LeanLaunch: an argument does not fit its kind: {error}") from None
+            self.config.hStream = stream
+            status = self._launch(ctypes.byref(self.config), self.function, self._params, None)
         if status:
             raise _fail("cuLaunchKernelEx", status)
