@@ -10,7 +10,7 @@ with two ceilings beside them: a read-only stream of the same bytes (`read_strea
 an empty launch. W4A16 also runs `w4a16_gemv_bulk.cu` (W streamed into shared memory by the
 bulk-copy engine) in each ROWS x CONSUMERS x STAGES variant, timed only if its output is
 `w4a16_gemv.cu`'s bit for bit. % of copy is on the packed bytes (codes and scales) against a
-copy measured in the same run. `w4a16-batch` times 3 to 32 tokens: `w4a16_mma.cu` in each
+copy measured in the same run. `w4a16-batch` times 2 to 32 tokens: `w4a16_mma.cu` in each
 MT x KW variant against the Triton tensor-core path it replaces and cuBLAS on the dequantized W.
 W4A16 also shows the bf16 GEMVs on the same weights (cuBLAS and kforge's
 `gemv`), and both the 4-bit and the bf16 CUDA kernels as a decode step runs them: eight
@@ -40,7 +40,7 @@ MMA_VARIANTS = {1: [(m, k, x) for m, k in ((1, 4), (1, 8), (1, 16), (2, 2), (2, 
                 2: [(m, k, x) for m, k in ((1, 8), (2, 2), (2, 4), (2, 8), (3, 4), (4, 2)) for x in (0, 1)],
                 4: [(2, 4, 0), (2, 8, 0), (2, 8, 1), (3, 2, 0), (3, 4, 0), (4, 2, 0)]}
 BATCH_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 4096)]
-BATCHES = [3, 8, 16, 32]  # NT 1, 1, 2, 4
+BATCHES = [2, 3, 8, 16, 32]  # NT 1, 1, 1, 2, 4
 NVFP4_SHAPES = [(7168, 16384, 1), (4096, 7168, 8), (7168, 2048, 4)]  # (M, K, L)
 
 
@@ -136,7 +136,8 @@ def sweep_w4a16_batch(copy_gbps, stream, sink, blocks):
             triton_tile = {"path": "mma", **w4a16.MMA_CONFIGS[0]}
             fns = {"cuBLAS bf16 (F.linear on the dequantized W)": lambda: torch.nn.functional.linear(x, w),
                    "Triton w4a16 mma + split sum": lambda: w4a16.w4a16_matmul(x, qweight, scales,
-                                                                               config=triton_tile)}
+                                                                               config=triton_tile),
+                   "w4a16_matmul (its default path)": lambda: w4a16.w4a16_matmul(x, qweight, scales)}
             for m_tiles, k_warps, x_ahead in MMA_VARIANTS[-(-batch // 8)]:
                 if w4a16.mma_shared_bytes(m_tiles, -(-batch // 8), k_warps) > w4a16.MMA_SHARED_LIMIT:
                     continue

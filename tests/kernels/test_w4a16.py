@@ -396,7 +396,7 @@ def _count_cuda_launches(monkeypatch):
 def test_the_one_token_cuda_kernel_in_every_variant_group_and_odd_shape(monkeypatch):
     """N not a multiple of a block's rows (777, 9), K of one 32-weight load (32) to a step and a
     half (1536), groups of 32 to 256 (a load's scale changes every 1 to 8 loads), x far from 1,
-    a strided W (padded rows); two rows take the Triton kernels."""
+    a strided W (padded rows); two rows take w4a16_mma.cu."""
     launch = w4a16.launch_cuda_gemv
     calls = _count_cuda_launches(monkeypatch)
     cases = [(777, 1536, 128, 1.0), (9, 32, 32, 1.0), (4096, 4096, 64, 1e12), (300, 2048, 256, 1e-12),
@@ -416,7 +416,7 @@ def test_the_one_token_cuda_kernel_in_every_variant_group_and_odd_shape(monkeypa
     assert len(calls) == len(cases) + 1
     x2, qweight, scales = _inputs(2, 300, 1024, 128, "cuda")
     assert_matches(w4a16_matmul(x2, qweight, scales), x2, qweight, scales, 128)
-    assert len(calls) == len(cases) + 1, "two rows take the Triton kernel"
+    assert len(calls) == len(cases) + 1, "two rows take w4a16_mma.cu"
 
 
 @pytest.mark.gpu
@@ -468,13 +468,13 @@ def test_one_token_takes_the_bulk_fed_kernel_where_it_is_faster(monkeypatch, nan
 
 @pytest.mark.gpu
 def test_the_few_token_mma_kernel_in_every_variant_batch_group_and_odd_shape(nan_outputs):
-    """w4a16_mma.cu against float64 for 3 to 32 tokens (one to four n-tiles, the last partly past
+    """w4a16_mma.cu against float64 for 2 to 32 tokens (one to four n-tiles, the last partly past
     the batch), every (MT, KW, XPF) variant that fits shared memory, N not a multiple of a block's rows
     (9, 777, 4100), K of one chunk (fewer chunks than warps) to 112, groups of 1, 2 and 4 chunks,
     x far from 1, x with padded rows and W with padded rows; each output NaN-poisoned first."""
     cases = [(777, 1152, 128, 1.0), (9, 128, 128, 1.0), (4100, 4096, 256, 1e12), (300, 14336, 512, 1e-12),
              (1000, 2048, 128, 1.0)]
-    for batch in (3, 8, 9, 16, 17, 32):
+    for batch in (2, 3, 8, 9, 16, 17, 32):
         for n, k, group, x_scale in cases:
             x, qweight, scales = _inputs(batch, n, k, group, "cuda", seed=batch + n, x_scale=x_scale)
             assert w4a16.cuda_mma_fits(x, qweight, group)
@@ -498,13 +498,13 @@ def test_the_few_token_mma_kernel_in_every_variant_batch_group_and_odd_shape(nan
 
 @pytest.mark.gpu
 def test_a_few_tokens_take_the_mma_kernel_where_it_fits(monkeypatch, nan_outputs):
-    """w4a16_matmul for 3 to 32 tokens: w4a16_mma.cu where the group is 128 k times a power of two,
-    the Triton kernels otherwise (group 64; 384, three chunks); one and two tokens never."""
+    """w4a16_matmul for 2 to 32 tokens: w4a16_mma.cu where the group is 128 k times a power of two,
+    the Triton kernels otherwise (group 64; 384, three chunks); one token never."""
     calls = []
     real = w4a16.launch_cuda_mma
     monkeypatch.setattr(w4a16, "launch_cuda_mma", lambda *args, **kw: calls.append(args) or real(*args, **kw))
     for (batch, group), taken in {(3, 128): True, (32, 256): True, (16, 64): False, (16, 384): False,
-                                  (1, 128): False, (2, 128): False}.items():
+                                  (1, 128): False, (2, 128): True}.items():
         before = len(calls)
         x, qweight, scales = _inputs(batch, 1000, 1536, group, "cuda", seed=batch)
         assert_matches(w4a16_matmul(x, qweight, scales, group), x, qweight, scales, group)

@@ -87,11 +87,11 @@ def quant_shapes() -> list[QuantShape]:
                           "ours tensor": lambda: OursFp8Gemm("tensor")},
                          ("fp8_gemm.py", "fp8_block_gemm.py", "fp8_block_gemm.cu"))
               for baseline, name in FP8_BASELINES.items()]
-    for b, n, k in ((1, 4096, 4096), (1, 14336, 4096), (1, 4096, 14336), (1, 28672, 4096), (16, 14336, 4096),
-                    (32, 4096, 4096)):
+    for b, n, k in ((1, 4096, 4096), (1, 14336, 4096), (1, 4096, 14336), (1, 28672, 4096), (2, 14336, 4096),
+                    (8, 14336, 4096), (16, 14336, 4096), (32, 4096, 4096)):
         shapes.append(QuantShape("w4a16", f"W4A16 B={b} N={n} K={k} vs bf16 cuBLAS",
                                  PROBLEMS / "quant" / "w4a16_gemv.py", {"B": b, "N": n, "K": k}, {"ours": OursW4a16},
-                                 ("w4a16.py", "w4a16_gemv.cu", "w4a16_gemv_bulk.cu")))
+                                 ("w4a16.py", "w4a16_gemv.cu", "w4a16_gemv_bulk.cu", "w4a16_mma.cu")))
     for m, k, l in ((7168, 16384, 1), (4096, 7168, 8), (7168, 2048, 4)):
         shapes.append(QuantShape("nvfp4-gemv", f"NVFP4 GEMV M={m} K={k} L={l} vs dequant+bmm",
                                  PROBLEMS / "level1" / "nvfp4_batched_gemv.py", {"M": m, "K": k, "L": l},

@@ -70,12 +70,14 @@ Where K <= 4096 and N >= 12288 a second CUDA kernel takes the token (`w4a16_gemv
 streamed into shared memory by the bulk-copy engine, the same sums bit for bit): 2026-11-26,
 14336 x 4096 16.3 us (60%), 28672 x 4096 25.6 us (77%, 90% of the read stream).
 
-For 3 to 32 tokens on a GPU `w4a16_mma.cu` takes over from the tensor-core path above where the
+For 2 to 32 tokens on a GPU `w4a16_mma.cu` takes over from the Triton paths above where the
 group is 128 k times a power of two: bf16 mma.sync on q decoded by one LOP3 and one bf16x2 FMA a
 pair (the nibbles' bf16 bits with 128 as the exponent, minus 136), the warps of a block splitting
 K and adding their sums in shared memory: one launch, no partials in HBM. 2026-11-26, 16 tokens
-at 14336 x 4096: 21.1 us against this path's 34 and cuBLAS's 45; 32 at 4096 x 4096: 14.7 us
-against 28.5 and 17.0 (benchmarks/notes/2026-11-26-session17).
+at 14336 x 4096: 21.1 us against the Triton tensor-core path's 34 and cuBLAS's 45; 32 at 4096 x
+4096: 14.7 us against 28.5 and 17.0; 2 tokens at the four widths 9.2-28.3 us against the Triton
+CUDA-core path's 10.1-35.9, whose autotuned launch also cost 122 us of host time a call against
+`launch_cuda_mma`'s 15 (benchmarks/notes/2026-11-26-session17).
 """
 
 from __future__ import annotations
@@ -526,12 +528,12 @@ def mma_variant(n: int, batch: int) -> tuple[int, int, bool]:
 
 
 def cuda_mma_fits(x: torch.Tensor, qweight: torch.Tensor, group: int) -> bool:
-    """Whether `w4a16_mma.cu` takes (checked) 2-D x: 3 to 32 tokens on a GPU with bf16 mma.sync
+    """Whether `w4a16_mma.cu` takes (checked) 2-D x: 2 to 32 tokens on a GPU with bf16 mma.sync
     (sm_80 on), K of whole 128-k chunks, a group of a power-of-two number of chunks (the scale's
     index is a shift), 16-byte loads of W and x (rows and addresses 16-byte aligned)."""
     batch, k = x.shape
     chunks_a_group = group // 128
-    return (x.is_cuda and GEMV_MAX_BATCH < batch <= MAX_BATCH and k % 128 == 0 and group % 128 == 0
+    return (x.is_cuda and 1 < batch <= MAX_BATCH and k % 128 == 0 and group % 128 == 0
             and chunks_a_group & (chunks_a_group - 1) == 0 and _capability(x.device.index) >= (8, 0)
             and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0
             and qweight.stride(0) % 16 == 0)

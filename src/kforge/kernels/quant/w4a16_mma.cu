@@ -1,4 +1,4 @@
-// W4A16 for a few tokens (3 to 32) on mma.sync: y[m, n] = sum_g s[n, g] sum_{k in g} q[n, k] x[m, k],
+// W4A16 for a few tokens (2 to 32) on mma.sync: y[m, n] = sum_g s[n, g] sum_{k in g} q[n, k] x[m, k],
 // fp32 sums, y bf16. One launch, no partial sums in global memory.
 //
 // W as `formats.quantize_int4` packs it: q [N, K/2] bytes, k = 2j in byte j's low nibble, a 4-bit
