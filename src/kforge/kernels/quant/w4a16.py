@@ -461,8 +461,9 @@ def _bulk_operands_fit(x, qweight, scales, group, rows=2, consumers=4, stages=2)
     group 128, W and its scales contiguous (the scales 16-byte aligned), and a ring of `stages`
     beside x in shared memory."""
     k = x.shape[1]
-    return (_capability(x.device.index) >= (9, 0) and group == 128 and k % 1024 == 0 and qweight.is_contiguous() and scales.is_contiguous()
-            and scales.data_ptr() % 16 == 0 and bulk_shared_bytes(k, rows, consumers, stages) <= BULK_SHARED_LIMIT)
+    return (_capability(x.device.index) >= (9, 0) and group == 128 and k % 1024 == 0 and qweight.is_contiguous()
+            and scales.is_contiguous() and scales.data_ptr() % 16 == 0
+            and bulk_shared_bytes(k, rows, consumers, stages) <= BULK_SHARED_LIMIT)
 
 
 def bulk_is_faster(n: int, k: int) -> bool:
@@ -516,7 +517,8 @@ def mma_variant(n: int, batch: int) -> tuple[int, int, bool]:
     """(MT, KW, XPF) of `w4a16_mma.cu`: 16-row m-tiles a warp, warps a block (splitting K), and
     whether x is loaded a chunk ahead with W. The fastest measured on the H100 at N x K = 4096 x
     4096, 14336 x 4096, 4096 x 14336, 28672 x 4096 and batches 3, 8, 16, 32 (2026-11-26,
-    benchmarks/notes/2026-11-26-session17/sweep-w4a16-mma-2.txt): few rows want more warps on K;
+    benchmarks/notes/2026-11-26-session17/sweep-w4a16-mma-2.txt; batch 2 in -3.txt, within 5% of
+    its best there): few rows want more warps on K;
     x ahead pays where its registers fit (it did not at 14336 and 28672 rows beyond 8 tokens). At
     17-32 tokens and over 16384 rows, 4 m-tiles spill a little at 32 tokens and still measured fastest."""
     n_tiles = triton.cdiv(batch, 8)
@@ -565,9 +567,10 @@ def _mma_plan(x, qweight, scales, group, y, m_tiles, k_warps, x_ahead) -> tuple:
     m_tiles, k_warps = m_tiles or default_mt, k_warps or default_kw
     x_ahead = default_xpf if x_ahead is None else x_ahead
     n_tiles = triton.cdiv(batch, 8)
-    if mma_shared_bytes(m_tiles, n_tiles, k_warps) > MMA_SHARED_LIMIT:
-        raise ValueError(f"w4a16_mma.cu with MT={m_tiles}, NT={n_tiles}, KW={k_warps} needs "
-                         f"{mma_shared_bytes(m_tiles, n_tiles, k_warps)} bytes of shared memory, over {MMA_SHARED_LIMIT}")
+    shared = mma_shared_bytes(m_tiles, n_tiles, k_warps)
+    if shared > MMA_SHARED_LIMIT:
+        raise ValueError(f"w4a16_mma.cu with MT={m_tiles}, NT={n_tiles}, KW={k_warps} needs {shared} bytes of "
+                         f"shared memory, over {MMA_SHARED_LIMIT}")
     variant = ("mma", m_tiles, n_tiles, k_warps, x_ahead)
     kernel = _CUDA_LAUNCHES.get(variant)
     if kernel is None:
