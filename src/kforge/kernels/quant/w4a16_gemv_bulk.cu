@@ -35,6 +35,10 @@
 // warps, 2 or 3 stages (3 or 4 blocks an SM: 26.4-26.8), a tile's scales in one copy (26.3); the
 // copies marked L2 evict-first: within 0.3% (not kept). The producer's code is on the critical path:
 // the same copies behind one more branch ran at 27.0 us.
+// Session 18 (benchmarks/notes/2026-11-26-session18): built with its consumers computing nothing,
+// this kernel's copies run at 23.5 us (the read stream 23.0), so the arithmetic costs 2.2 us. Five
+// designs did not recover it: one token on mma.sync at 1.3-1.6 instructions a weight, in four
+// tile and stage shapes (26.2-27.2 us), and every warp streaming its own rows (28.2).
 
 #include "../gemm_bf16/hopper.cuh"
 #include "w4a16_decode.cuh"
