@@ -37,8 +37,8 @@
 // the same copies behind one more branch ran at 27.0 us.
 // Session 18 (benchmarks/notes/2026-11-26-session18): built with its consumers computing nothing,
 // this kernel's copies run at 23.5 us (the read stream 23.0), so the arithmetic costs 2.2 us. Five
-// designs did not recover it: one token on mma.sync at 1.3-1.6 instructions a weight, in four
-// tile and stage shapes (26.2-27.2 us), and every warp streaming its own rows (28.2).
+// designs did not recover it: one token on mma.sync at 1.3-1.6 instructions a weight, in three
+// tile and stage shapes timed (26.2-27.2 us), and every warp streaming its own rows (28.2).
 
 #include "../gemm_bf16/hopper.cuh"
 #include "w4a16_decode.cuh"
