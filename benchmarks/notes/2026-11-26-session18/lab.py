@@ -4,8 +4,10 @@ feed as floors, and the timing loop (device_timing.median_ms: a reading L2 flush
 before every call, interleaved rounds, medians), repeated three times in one process.
 
 Knob patches (each built with its knobs off is the committed code):
-- w4a16-gemv-bulk-knobs.patch: FEED_ONLY (timing only: consumers free each stage without
-  computing) and COPY_SPLIT (a row's codes in n copies) in w4a16_gemv_bulk.cu;
+- w4a16-gemv-bulk-knobs.patch, in w4a16_gemv_bulk.cu: FEED_ONLY (timing only: consumers free each
+  stage without computing), COPY_SPLIT (a row's codes in n copies), ROWS_PER_COPY (n rows' codes a
+  copy, a stage's scales in one), LAST_EARLY (a block's last tile copied into a spare slot early),
+  TIMELINE (%globaltimer marks, bulk_timeline.py), and the timing-only NO_X_LOADS and X_BROADCAST;
 - nvfp4-gemv-l2-prefetch.patch, read-stream-l2-prefetch.patch: L2_PREFETCH (128 or 256: the
   loads' L2 prefetch-size hint) in nvfp4_gemv.cu and scripts/read_stream.cu.
 """
