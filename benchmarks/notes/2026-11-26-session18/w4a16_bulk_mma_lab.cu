@@ -1,8 +1,8 @@
-// LAB COPY of src/kforge/kernels/quant/w4a16_bulk_mma.cu (session 18), with knobs for an A/B:
+// Form 1 of w4a16_bulk_mma.cu (session 18, never committed; see this folder's README), with knobs for an A/B:
 // FEED_ONLY 1: TIMING ONLY, WRONG RESULTS: the consumers wait for each stage and free it without computing.
-// ROW_STRIDE: the rows' stride in a stage (2112, the committed one, puts rows g and g + 1 16 banks apart;
+// ROW_STRIDE: the rows' stride in a stage (2112, form 1's, puts rows g and g + 1 16 banks apart;
 //   2048 and 2176 keep every row 128-byte aligned, at a 2-way bank conflict on W's loads).
-// UNROLL: chunks a warp's loop takes at a time (2 committed).
+// UNROLL: chunks a warp's loop takes at a time (2 in form 1).
 #ifndef FEED_ONLY
 #define FEED_ONLY 0
 #endif

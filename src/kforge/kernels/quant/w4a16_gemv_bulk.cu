@@ -36,11 +36,11 @@
 // copies marked L2 evict-first: within 0.3% (not kept). The producer's code is on the critical path:
 // the same copies behind one more branch ran at 27.0 us.
 // Session 18 (benchmarks/notes/2026-11-26-session18): built with its consumers computing nothing,
-// this kernel's copies run at 23.5 us (the read stream 23.0), so the arithmetic costs 2.2 us. Five
-// designs did not recover it: one token on mma.sync at 1.3-1.6 instructions a weight, in three
-// tile and stage shapes timed (26.2-27.2 us), and every warp streaming its own rows (28.2).
-// A %globaltimer timeline puts those 2.2 us in the tail: the bulk of the bytes arrives as early as
-// with nothing computing, but the last blocks' last copies wait ~3 us for the producer to refill a
+// this kernel's copies run at 23.5 us (the read stream 23.0), so the arithmetic costs 2.2 us. Four
+// designs timed did not recover it: one token on mma.sync at 1.3-1.6 instructions a weight, in three
+// tile and stage shapes (26.2-27.2 us), and every warp streaming its own rows (28.2).
+// A %globaltimer timeline puts those 2.2 us in the tail: the bulk of the bytes arrives nearly as
+// early as with nothing computing (20.0 us against 19.7), but the last blocks' last copies wait ~3 us for the producer to refill a
 // freed slot (0.8 us when nothing computes). Merged copies, a fifth stage and the last tile copied
 // early into a spare slot each measured slower or no faster (26.4-27.3 us).
 
