@@ -14,6 +14,8 @@
 #   fused-linear host-profile-level3   (fused_linear_bench.py; host and device time of the Level 3 blocks)
 #   gemv-rows   (the decode GEMV: its GPU tests and gemv_sweep.py, tiles, the one-token CUDA kernel, ceilings)
 #   quant-gemv   (the 4-bit GEMVs: their GPU tests and quant_gemv_sweep.py, CUDA variants, Triton, ceilings)
+#   harness   (the judge's tests on the GPU: hostile candidates, defences, the judge's clock and probe)
+#   judge-overhead   (scripts/judge_overhead.py against the tree in OLD_SRC; OVERHEAD_REPEATS, default 2)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
@@ -140,4 +142,12 @@ if [[ $parts == *" profile-gemm "* ]]; then
   ncu -i "$out/gemm-4096.ncu-rep" --page details \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
     --section WarpStateStats --section Occupancy --section LaunchStats 2>&1 | tee "$out/profile-gemm.txt" | tail -60
+fi
+if [[ $parts == *" harness "* ]]; then
+  python3 -m pytest -q -p no:cacheprovider -rfEs tests/harness/test_hostile.py tests/harness/test_defences.py \
+    tests/harness/test_judge_gpu.py tests/harness/test_gpu.py 2>&1 | tail -60 | tee "$out/pytest-harness-gpu.log"
+fi
+if [[ $parts == *" judge-overhead "* ]]; then
+  python3 scripts/judge_overhead.py "${OLD_SRC:?set OLD_SRC to the src folder of the tree to compare with}" "$out" \
+    "${OVERHEAD_REPEATS:-2}" 2>&1 | tee "$out/judge-overhead.txt"
 fi

@@ -113,3 +113,22 @@ def test_a_crashing_candidate_is_reported_and_kforge_survives(cli, tmp_path):
 def test_a_fixed_seed_needs_the_in_process_mode(cli):
     result = cli("eval", ROW_SUMS, ROW_SUMS, "--seed", "3")
     assert result.returncode == 2 and "--seed needs --in-process" in result.stderr
+
+
+def test_report_names_each_rejected_line_in_one_warning_line(tmp_path):
+    from kforge.harness.record import EvalRecord, append_record
+
+    store = tmp_path / "results" / "some-device" / "bench.jsonl"
+    for status in ("passed", "slower"):
+        append_record(store, EvalRecord(status=status, problem={"name": f"p_{status}"}, candidate={"name": "c"},
+                                        device={}, versions={}))
+    lines = store.read_text().splitlines()
+    lines[1] = lines[1].replace('"status": "slower"', '"status": "passed"')  # an edited record
+    store.write_text("\n".join(lines) + '\n{"status": "pass')  # and a torn last line
+    result = kforge("report", tmp_path / "results", "-o", tmp_path / "RESULTS.md", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: {store} line 2: checksum mismatch (edited or forged); left out",
+                        f"warning: {store} line 3: torn line (not JSON); left out"]
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "p_passed" in text and "p_slower" not in text

@@ -32,11 +32,12 @@ def cli(tmp_path, cpu, cpu_ceilings):
 def test_builtin_level1_runs_the_chosen_problems_with_kforges_solutions(cli, tmp_path):
     done = cli("suite", "level1", "--solutions", "builtin", "--only", "transpose_bf16,matmul_fp32",
                "--time-budget", "0.1", "--json")
-    assert done.returncode == 0, done.stderr[-2000:]
     scores = json.loads(done.stdout)
     rows = {row["name"]: row for row in scores["rows"]}
     assert set(rows) == {"transpose_bf16", "matmul_fp32"}  # only those, from the package's level1 folder
     assert all(row["status"] in ("passed", "slower") and row["speedup"] > 0 for row in rows.values()), rows
+    # 0 only when every pair passed; on a CPU an interpreted kernel may well be slower
+    assert done.returncode == (0 if all(row["status"] == "passed" for row in rows.values()) else 1), done.stderr
     assert scores["fast_p"]["fast_0"] == 1.0 and scores["ran"] == 2
     records = [json.loads(line) for line in (tmp_path / "kforge-suite.jsonl").read_text().splitlines()]
     assert {r["problem"]["size"] for r in records} == {"tiny"} and {r["baseline"] for r in records} == {"eager"}
@@ -72,12 +73,13 @@ def test_baseline_both_runs_each_pair_against_eager_then_compile_and_reports_bot
     args = ["suite", "level1", "--solutions", "builtin", "--only", "transpose_bf16", "--baseline", "both",
             "--results", str(store)]
     shown = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
-    assert shown.exit_code == 0, shown.output
+    assert shown.exit_code == 1, shown.output  # slower against torch.compile: not every pair passed
     assert calls == [(("transpose_bf16",), store, "eager"), (("transpose_bf16",), store, "compile")]
     eager, compiled = shown.output.split("against torch.compile")
     assert "against eager PyTorch" in eager and "fast_1 = 1.00" in eager and "1.700x" in eager
     assert "fast_1 = 0.00" in compiled and "0.900x" in compiled
 
     as_json = CliRunner().invoke(app, [*args, "--json"])
+    assert as_json.exit_code == 1
     scores = json.loads(as_json.output)["baselines"]
     assert scores["eager"]["geomean_speedup"] == 1.7 and scores["compile"]["fast_p"]["fast_1"] == 0.0

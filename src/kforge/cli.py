@@ -4,18 +4,21 @@ Exit status of `kforge eval`: 0 both gates passed; 1 a gate failed (incorrect, s
 faster than the hardware allows, or rejected by a defence); 2 the input is unusable (a
 missing or malformed file, a constructor mismatch, an exception, a crash, out of
 memory, a CUDA error or a time limit while building or running). 3 means kforge itself
-failed: that is a bug.
+failed: that is a bug. `kforge suite` exits 0 when every pair passed, else 1.
 """
 
 from __future__ import annotations
 
 import shlex
 import sys
+import warnings
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from kforge.errors import KforgeError
 
@@ -29,6 +32,29 @@ out = Console()
 err = Console(stderr=True, soft_wrap=True)  # an error stays one line, however long
 
 DEFAULT_RESULTS = Path("kforge-results.jsonl")
+
+
+@contextmanager
+def _store_warnings():
+    """Show each line a JSONL store left out (read_records warns StoreWarning) as one warning
+    line on stderr, once per command; other warnings are shown as before."""
+    from kforge.harness.record import StoreWarning
+
+    shown = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", StoreWarning)
+        show_other = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if not isinstance(message, StoreWarning):
+                return show_other(message, category, filename, lineno, file, line)
+            for note in message.reading.notes():
+                if note not in shown:
+                    shown.add(note)
+                    err.print(f"[bold yellow]warning:[/] {escape(note)}", highlight=False)
+
+        warnings.showwarning = show
+        yield
 
 
 class Baseline(str, Enum):
@@ -147,6 +173,7 @@ def suite_command(
     json_output: bool = typer.Option(False, "--json", help="Print the scores and rows as JSON."),
 ) -> None:
     """Evaluate every problem in PROBLEMS against its solution; print fast_p and a table.
+    Exit status 0 when every pair passed both gates, 1 otherwise.
 
     `kforge suite level1 --solutions builtin` runs kforge's Level 1 suite with its own
     solutions. Pairs already in --results are skipped, so an interrupted suite resumes where
@@ -172,8 +199,8 @@ def suite_command(
     store = ResultStore(results)
     baselines = ["eager", "compile"] if baseline is SuiteBaseline.both else [baseline.value]
     summaries = {}
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, disable=json_output) as progress:
+    with _store_warnings(), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                    TimeElapsedColumn(), console=err, disable=json_output) as progress:
         task = progress.add_task("suite", total=len(pairs) * len(baselines))
         for against in baselines:
             options = dict(baseline=against, timing=TimingConfig(budget_s=time_budget),
@@ -197,11 +224,14 @@ def suite_command(
             print(json.dumps(as_json(summaries[baselines[0]])))
         else:
             print(json.dumps({"baselines": {name: as_json(summary) for name, summary in summaries.items()}}))
-        return
-    for against, summary in summaries.items():
-        if len(baselines) > 1:
-            out.print(Text(f"against {'eager PyTorch' if against == 'eager' else 'torch.compile'}", style="bold"))
-        out.print(suite_view(summary, device_name, str(results)))
+    else:
+        for against, summary in summaries.items():
+            if len(baselines) > 1:
+                out.print(Text(f"against {'eager PyTorch' if against == 'eager' else 'torch.compile'}", style="bold"))
+            out.print(suite_view(summary, device_name, str(results)))
+    # 0 only when every pair passed both gates: a suite is a check CI can rely on
+    failed = any(row.status != "passed" for summary in summaries.values() for row in summary.rows)
+    raise typer.Exit(1 if failed else 0)
 
 
 class LadderFamily(str, Enum):
@@ -239,7 +269,8 @@ def ladder_command(
     if replot:
         if not results.is_file():
             raise KforgeError(f"nothing to replot: {results} does not exist")
-        records = latest_per_step(read_records(results))
+        with _store_warnings():
+            records = latest_per_step(read_records(results))
         if not records:
             raise KforgeError(f"nothing to replot: {results} holds no records")
         device_name, size_text = records[0]["device"]["name"], records[0]["problem"].get("size")
@@ -320,7 +351,8 @@ def bench_command(
     if replot:
         if not results.is_file():
             raise KforgeError(f"nothing to replot: {results} does not exist")
-        records = read_records(results)
+        with _store_warnings():
+            records = read_records(results)
     else:
         if shapes == "all":
             chosen = every
@@ -533,7 +565,9 @@ def report_command(
 
     if not results_dir.is_dir():
         raise KforgeError(f"no results folder: {results_dir}")
-    output.write_text(results_markdown(results_dir))
+    with _store_warnings():
+        text = results_markdown(results_dir)
+    output.write_text(text)
     err.print(f"wrote {output}", style="dim")
 
 

@@ -3,7 +3,6 @@ under Triton's interpreter, tiny sizes), the rows built from records (bytes over
 time, % of the copy ceiling, one row per shape from its two evaluations), the view, the
 chart and the command line without a GPU."""
 
-import json
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from kforge.bench.serving import (BASELINES, KERNELS, serving_groups, serving_jo
                                   serving_shapes)
 from kforge.harness.evaluate import evaluate
 from kforge.harness.problem import load_problem
+from kforge.harness.record import sealed_line
 from kforge.ladder import source_candidate
 
 SHAPES = serving_shapes()
@@ -82,7 +82,7 @@ def test_replot_draws_the_table_and_chart_without_a_gpu(tmp_path):
     results = tmp_path / "serving.jsonl"
     rows = [_record("swiglu 16384x14336", "eager", 0.50, 0.49, 1.20, 1.19, 1_409_286_144),
             _record("swiglu 16384x14336", "compile", 0.50, 0.49, 0.52, 0.51, 1_409_286_144)]
-    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    results.write_text("".join(sealed_line(r) + "\n" for r in rows))
     done = subprocess.run([sys.executable, "-m", "kforge", "bench", "serving", "--replot", "--results", str(results)],
                           capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0, done.stderr
@@ -104,7 +104,7 @@ def test_results_markdown_gives_serving_its_own_table(tmp_path):
     device.mkdir()
     rows = [_record("rope 16384 tok 32/8x128 interleaved", "eager", 0.133, 0.123, 2.5, 2.5, 344_064_000),
             _record("rope 16384 tok 32/8x128 interleaved", "compile", 0.133, 0.123, 0.349, 0.349, 344_064_000)]
-    (device / "bench-serving.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (device / "bench-serving.jsonl").write_text("".join(sealed_line(r) + "\n" for r in rows))
     text = results_markdown(tmp_path)
     line = next(x for x in text.splitlines() if x.startswith("| rope 16384 tok 32/8x128 interleaved"))
     assert "133 us (123 us)" in line and "93.2%" in line and "18.80x" in line and "2.62x" in line

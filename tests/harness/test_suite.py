@@ -98,7 +98,7 @@ def test_a_suite_killed_with_sigkill_resumes_without_losing_or_redoing_pairs(tmp
 
     resumed = subprocess.run(SUITE_CMD + ["--resume"], cwd=tmp_path, env=env, capture_output=True, text=True,
                              timeout=900)
-    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.returncode == 1, resumed.stderr  # p2 and p3 are hostile: not every pair passed
     after = [json.loads(line) for line in store.read_text().splitlines()]
     assert len(after) == 5 and after[:len(before)] == before, "nothing lost, nothing redone"
     assert len({r["pair_key"] for r in after}) == 5
@@ -124,3 +124,42 @@ def test_resume_without_a_store_is_refused(tmp_path):
     make_suite(tmp_path, {"one": ("add", "vectorized_row_sums")})
     result = subprocess.run(SUITE_CMD + ["--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "nothing to resume" in result.stderr
+
+
+def test_a_suite_of_honest_crashing_hanging_forging_and_leaking_candidates_ends_with_the_right_table(tmp_path, cpu,
+                                                                                                   cpu_ceilings):
+    from kforge.harness import containment
+    from kforge.harness.roofline import save_ceilings
+
+    token = f"kforge-suite-{os.getpid()}-{time.monotonic_ns()}"
+    target = tmp_path / "results.jsonl"
+    target.write_text("{}\n")
+    env = {**os.environ, "KFORGE_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "200",
+           "KFORGE_HOSTILE_TOKEN": token, "KFORGE_TEST_TARGET": str(target)}
+    os.environ["KFORGE_CACHE_DIR"] = env["KFORGE_CACHE_DIR"]
+    save_ceilings(cpu, cpu_ceilings)
+    make_suite(tmp_path, {
+        "a_honest": ("row_sums", "vectorized_row_sums"), "b_crash": ("add", "crash_segfault"),
+        "c_hang": ("add", "hang_timed"), "d_forge": ("add", "judge_forge_clock"),
+        "e_leak": ("row_sums", "outlive_daemon"), "f_honest": ("row_sums", "vectorized_row_sums"),
+    })
+    done = subprocess.run(SUITE_CMD + ["--stage-timeout", "30", "--json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    rows = {row["name"]: row for row in json.loads(done.stdout)["rows"]}
+    assert {name: row["status"] for name, row in rows.items()} == {
+        "a_honest": "passed", "b_crash": "crash", "c_hang": "timeout", "d_forge": "rejected",
+        "e_leak": "passed", "f_honest": "passed"}, rows
+    assert rows["d_forge"]["defences"] == ["timing_claims"]
+    assert done.returncode == 1, "not every pair passed"
+    # the leaking candidate's daemon is gone, and wrote nothing
+    alive = [int(p) for p in os.listdir("/proc") if p.isdigit() and containment.alive(int(p))
+             and token.encode() in _environ(int(p))]
+    assert alive == [] and target.read_text() == "{}\n"
+
+
+def _environ(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

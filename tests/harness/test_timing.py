@@ -128,7 +128,7 @@ def test_bad_configurations_are_refused():
 
 
 def test_a_call_costs_the_longer_of_device_and_host_time():
-    from kforge.harness.timing import _per_call_ms, _profiles
+    from kforge.harness.timing import per_call_ms, call_profiles
 
     null = [(0.0, 0.015 + 0.0001 * i, 0.0003) for i in range(50)]  # sync costs 15..20 us
     raw = {
@@ -137,12 +137,12 @@ def test_a_call_costs_the_longer_of_device_and_host_time():
         "hidden": [(0.001, 0.501, 0.010)],  # returned at once; the device worked 0.5 ms more
         "host_bound": [(0.010, 0.028, 0.200)],  # 0.2 ms of host work for 10 us of device work
     }
-    per_call = _per_call_ms(raw, ["honest", "hidden", "host_bound"])
+    per_call = per_call_ms(raw, ["honest", "hidden", "host_bound"])
     allowance = 0.015 + 0.0001 * 47  # the null calls' 95th percentile
     assert per_call["honest"] == [pytest.approx(0.100)]
     assert per_call["hidden"] == [pytest.approx(0.501 - allowance)]
     assert per_call["host_bound"] == [pytest.approx(0.200)]
-    profile = _profiles(raw, ["honest", "hidden", "host_bound"])
+    profile = call_profiles(raw, ["honest", "hidden", "host_bound"])
     assert profile["hidden"].off_stream_frac == 1.0 and profile["honest"].off_stream_frac == 0.0
     assert profile["host_bound"].host_bound_frac == 1.0 and profile["honest"].host_bound_frac == 0.0
 

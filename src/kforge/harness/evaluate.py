@@ -49,6 +49,7 @@ HOST_THREAD_SHARE = 0.25
 STATUS_OF_DEFENCE = {
     "recheck": "incorrect",
     "poison": "incorrect",
+    "late_output": "incorrect",
     "plain_tensor": "incorrect",
     "input_clones": "incorrect",
     "physical_floor": "faster_than_hardware",
@@ -178,48 +179,9 @@ class _Run:
         integrity.check()
         ceilings = ceilings or get_ceilings(self.device)
         roof = _roofline(problem, reference, gate1, ceilings)
-        ref_ms = run.stats["reference"].median_ms
-        cand_ms = run.stats["candidate"].median_ms
-        speedup = ref_ms / cand_ms
-
-        status, reason = "passed", None
-        if run.profile["candidate"].off_stream_frac > 0.5:
-            self.defences.append("device_sync")
-        floor = roof.physical_floor_ms
-        if floor is not None and ref_ms < floor:
-            self.warnings.append(
-                f"the reference itself runs under the physical floor ({ref_ms:.4g} ms < {floor:.4g} ms): "
-                "the problem's flops/bytes overstate the work, so the floor check was skipped"
-            )
-        elif floor is not None and cand_ms < floor:
-            status = "faster_than_hardware"
-            self.defences.append("physical_floor")
-            reason = (f"faster than the hardware allows: candidate {cand_ms:.4g} ms is under the "
-                      f"physical floor of {floor:.4g} ms, so the timer was fooled")
-        elif roof.floor_ms is not None and ref_ms < CEILING_DOUBT * roof.floor_ms:
-            # Possible (the floor is a measured rate, not physics), but by this much it says the
-            # ceilings were measured low: a cold or throttled GPU, or one shared with other work.
-            self.warnings.append(
-                f"the reference beat the measured roof ({ref_ms:.4g} ms, floor {roof.floor_ms:.4g} ms): the "
-                f"ceilings measured on {ceilings.measured_on} look low for this device, and every % of roof "
-                "with them; `kforge roofline --remeasure`"
-            )
-        if status == "passed" and speedup <= 1.0:
-            status = "slower"
-            reason = f"gate 2 failed: speedup {speedup:.3f}x over the {self.baseline} reference is not above 1"
-
-        return self.record(
-            status,
-            reason,
-            gate1=gate1.to_dict(),
-            gate2={"passed": status == "passed", "speedup": speedup, **run.to_dict()},
-            roofline={
-                **roof.to_dict(),
-                "reference": asdict(roof.point(ref_ms)),
-                "candidate": asdict(roof.point(cand_ms)),
-                "ceilings": ceilings.to_dict(),
-            },
-        )
+        status, reason = gate2_verdict(run, roof, ceilings, self.baseline, self.warnings, self.defences)
+        return self.record(status, reason, gate1=gate1.to_dict(), gate2=gate2_fields(status, run),
+                           roofline=roofline_fields(roof, run, ceilings))
 
     def _time_both(self, problem, reference, candidate, candidate_model, timing, threads_before) -> TimingRun:
         config = timing or TimingConfig()
@@ -257,6 +219,55 @@ class _Run:
                                  kind=error_kind(exc)) from None
         watch.check(timed_s=run.stats["candidate"].mean_ms * run.stats["candidate"].n / 1e3, share=HOST_THREAD_SHARE)
         return run
+
+
+def gate2_verdict(run: TimingRun, roof: Roofline, ceilings: Ceilings, baseline: str, warnings: list[str],
+                  defences: list[str]) -> tuple[str, str | None]:
+    """Gate 2's status and reason from a timing run and the roofline; appends the warnings
+    and the names of the defences that fired."""
+    ref_ms = run.stats["reference"].median_ms
+    cand_ms = run.stats["candidate"].median_ms
+    speedup = ref_ms / cand_ms
+    status, reason = "passed", None
+    if run.profile["candidate"].off_stream_frac > 0.5:
+        defences.append("device_sync")
+    floor = roof.physical_floor_ms
+    if floor is not None and ref_ms < floor:
+        warnings.append(
+            f"the reference itself runs under the physical floor ({ref_ms:.4g} ms < {floor:.4g} ms): "
+            "the problem's flops/bytes overstate the work, so the floor check was skipped"
+        )
+    elif floor is not None and cand_ms < floor:
+        status = "faster_than_hardware"
+        defences.append("physical_floor")
+        reason = (f"faster than the hardware allows: candidate {cand_ms:.4g} ms is under the "
+                  f"physical floor of {floor:.4g} ms, so the timer was fooled")
+    elif roof.floor_ms is not None and ref_ms < CEILING_DOUBT * roof.floor_ms:
+        # Possible (the floor is a measured rate, not physics), but by this much it says the
+        # ceilings were measured low: a cold or throttled GPU, or one shared with other work.
+        warnings.append(
+            f"the reference beat the measured roof ({ref_ms:.4g} ms, floor {roof.floor_ms:.4g} ms): the "
+            f"ceilings measured on {ceilings.measured_on} look low for this device, and every % of roof "
+            "with them; `kforge roofline --remeasure`"
+        )
+    if status == "passed" and speedup <= 1.0:
+        status = "slower"
+        reason = f"gate 2 failed: speedup {speedup:.3f}x over the {baseline} reference is not above 1"
+    return status, reason
+
+
+def gate2_fields(status: str, run: TimingRun, **extra) -> dict:
+    speedup = run.stats["reference"].median_ms / run.stats["candidate"].median_ms
+    return {"passed": status == "passed", "speedup": speedup, **run.to_dict(), **extra}
+
+
+def roofline_fields(roof: Roofline, run: TimingRun, ceilings: Ceilings) -> dict:
+    return {
+        **roof.to_dict(),
+        "reference": asdict(roof.point(run.stats["reference"].median_ms)),
+        "candidate": asdict(roof.point(run.stats["candidate"].median_ms)),
+        "ceilings": ceilings.to_dict(),
+    }
 
 
 def _roofline(problem: Problem, reference, gate1: CorrectnessReport, ceilings: Ceilings) -> Roofline:

@@ -3,14 +3,24 @@
 Records are appended to JSONL files, one line each, flushed and fsynced, so a file is
 never rewritten and a crash loses at most the record being written. Tables and charts
 are views of records.
+
+Each line is sealed: the record's last key is "checksum": "sha256:<hex>", the SHA-256 of
+the rest of the record in canonical JSON (`canonical_json`). Reading a store checks every
+line, and a line that is torn, edited, foreign or not a record is reported, never skipped
+in silence (`read_store`, `StoreWarning`). The checksum detects torn and edited lines; it
+holds no secret key, so it cannot stop a forger who can write the file and recompute it.
+What stops that is isolation: the candidate's worker cannot write outside its scratch
+folder, and it is killed with all its descendants before the judge writes the record.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,6 +59,7 @@ class EvalRecord:
     warnings: list[str] = field(default_factory=list)
     defences: list[str] = field(default_factory=list)  # which defences fired (defences.py)
     pair_key: str | None = None  # identifies the (problem, candidate, baseline, size, device) pair
+    containment: dict | None = None  # what confined the candidate's worker (judge.py), None in-process
     command: str | None = None
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     schema: int = SCHEMA_VERSION
@@ -73,30 +84,135 @@ class EvalRecord:
 
 
 def append_record(path: str | Path, record: EvalRecord) -> Path:
-    """Append one record as a line; fsync so it survives a crash right after."""
+    """Append one record as a sealed line; fsync so it survives a crash right after."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = record.to_json() + "\n"
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(line)
+    data = (sealed_line(record.to_dict()) + "\n").encode("utf-8")
+    with open(path, "a+b") as handle:
+        end = handle.seek(0, os.SEEK_END)
+        if end:
+            handle.seek(end - 1)
+            if handle.read(1) != b"\n":  # a torn line: keep it on its own line, not glued to this record
+                data = b"\n" + data
+        handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
     return path
 
 
-def read_records(path: str | Path) -> list[dict]:
-    """All complete records of a JSONL file (a torn last line from a crash is skipped)."""
-    records = []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            line = line.strip()
-            if not line:
-                continue
+# --- Sealing: a checksum over the canonical JSON of each record ------------------------
+
+CHECKSUM_KEY = "checksum"
+
+
+def canonical_json(record: dict) -> str:
+    """The bytes the checksum covers: sorted keys, no spaces, strict JSON (no NaN or inf)."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def checksum(record: dict) -> str:
+    """The record's checksum: "sha256:<hex>" of its canonical JSON, its own checksum key left out."""
+    body = {k: v for k, v in record.items() if k != CHECKSUM_KEY}
+    return "sha256:" + hashlib.sha256(canonical_json(body).encode("utf-8")).hexdigest()
+
+
+def seal(record: dict) -> dict:
+    """A copy of the record, made strict JSON (NaN and inf become null), with its checksum as last key.
+
+    A record that already carries a checksum is refused: resealing would launder an edit.
+    """
+    if CHECKSUM_KEY in record:
+        raise ValueError("the record is already sealed")
+    safe = _json_safe(record)
+    return {**safe, CHECKSUM_KEY: checksum(safe)}
+
+
+def verify(record: dict) -> bool:
+    """Whether the record's checksum matches the rest of it (False where it has none)."""
+    try:
+        return isinstance(record.get(CHECKSUM_KEY), str) and record[CHECKSUM_KEY] == checksum(record)
+    except (ValueError, TypeError, RecursionError):  # not strict JSON (a NaN, say): no checksum can match
+        return False
+
+
+def sealed_line(record: dict) -> str:
+    """The line a store holds for a record (no newline): the sealed record as JSON, keys in order."""
+    return json.dumps(seal(record), allow_nan=False)
+
+
+# --- Reading: every line is a verified record or a reported rejection -------------------
+
+TORN = "torn line (not JSON)"
+NOT_AN_OBJECT = "not an object"
+NO_CHECKSUM = "no checksum"
+MISMATCH = "checksum mismatch (edited or forged)"
+
+
+@dataclass(frozen=True)
+class RejectedLine:
+    number: int  # 1-based line number in the file
+    reason: str  # TORN, NOT_AN_OBJECT, NO_CHECKSUM or MISMATCH
+
+
+@dataclass
+class StoreReading:
+    path: Path
+    records: list[dict]  # verified, in file order, without their checksum key
+    rejected: list[RejectedLine]
+
+    def notes(self) -> list[str]:
+        """One line per rejected line, naming the file."""
+        return [f"{self.path} line {r.number}: {r.reason}; left out" for r in self.rejected]
+
+
+class StoreWarning(UserWarning):
+    """read_records left lines out of a store; `reading` tells which and why."""
+
+    def __init__(self, reading: StoreReading):
+        self.reading = reading
+        super().__init__(f"{reading.path}: {len(reading.rejected)} line(s) left out: "
+                         + "; ".join(f"line {r.number}: {r.reason}" for r in reading.rejected))
+
+
+def read_store(path: str | Path) -> StoreReading:
+    """Every line of a JSONL store, checked: verified records, and the lines rejected and why.
+
+    Blank lines hold nothing and are passed over. A line that is not UTF-8 counts as torn.
+    """
+    path = Path(path)
+    records, rejected = [], []
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, 1):
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+                line = raw.decode("utf-8").strip()
+                if not line:
+                    continue
+                record = json.loads(line)
+            except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+                rejected.append(RejectedLine(number, TORN))
                 continue
-    return records
+            if not isinstance(record, dict):
+                rejected.append(RejectedLine(number, NOT_AN_OBJECT))
+            elif CHECKSUM_KEY not in record:
+                rejected.append(RejectedLine(number, NO_CHECKSUM))
+            elif not verify(record):
+                rejected.append(RejectedLine(number, MISMATCH))
+            else:
+                del record[CHECKSUM_KEY]
+                records.append(record)
+    return StoreReading(path, records, rejected)
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The verified records of a JSONL store, without their checksum key.
+
+    Lines it rejects (see `read_store`) are left out with a StoreWarning naming the file and
+    each line's number and reason, so no caller trusts or drops one unawares.
+    """
+    reading = read_store(path)
+    if reading.rejected:
+        warnings.warn(StoreWarning(reading), stacklevel=2)
+    return reading.records
 
 
 def _json_safe(value):

@@ -209,10 +209,6 @@ def _cloned(inputs: InputSet) -> list:
     return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
 
 
-def _null(_inputs: InputSet) -> None:
-    return None
-
-
 def time_interleaved(
     fns: Mapping[str, TimedFn],
     make_set: Callable[[int], InputSet],
@@ -236,11 +232,11 @@ def time_interleaved(
     if "null" in fns:
         raise ValueError("'null' is reserved for the engine's own overhead calls")
     order_rng = random.Random(seed)
-    timer = _CudaCallTimer(device, config.flush_l2) if device.is_cuda else _HostCallTimer()
+    timer = call_timer(device, config.flush_l2)
     names = list(fns)
     calls = dict(fns)
     if device.is_cuda:
-        calls["null"] = _null
+        calls["null"] = null_call
     t0 = time.perf_counter()
     pool = InputPool(make_set, list(calls), device, config, fresh=fresh_inputs)
 
@@ -267,8 +263,7 @@ def time_interleaved(
 
     raw: dict[str, list[Clocks]] = {name: [] for name in calls}
     rounds, rechecked = 0, 0
-    loop_start = time.perf_counter()
-    next_check = loop_start + config.min_time_s
+    stopper = StopRule(config, names)
     while True:
         round_order = list(calls)
         order_rng.shuffle(round_order)
@@ -278,17 +273,7 @@ def time_interleaved(
             clocks, outputs[name] = timer.time_call(calls[name], inputs[name])
             raw[name].append(clocks)
         rounds += 1
-        now = time.perf_counter()
-        stop_reason = "budget" if now - loop_start >= config.budget_s else None
-        # The rse rule looks at every sample so far: checking it after every round would
-        # make the loop quadratic, so it is checked at most every CHECK_EVERY_S.
-        if stop_reason is None and rounds >= config.min_reps and now >= next_check:
-            next_check = now + CHECK_EVERY_S
-            current = _per_call_ms(raw, names)
-            if all(TimingStats.from_samples(current[name]).rse < config.rse_target for name in names):
-                stop_reason = "rse"
-        if stop_reason is None and rounds >= config.max_reps:
-            stop_reason = "max_reps"
+        stop_reason = stopper.check(raw, rounds)
         if check_round is not None and (rounds == 1 or stop_reason or order_rng.random() < config.recheck_fraction):
             rechecked += 1
             check_round({name: outputs[name] for name in names})
@@ -300,7 +285,7 @@ def time_interleaved(
             break
         pool.renew(rounds - 1)
 
-    per_call = _per_call_ms(raw, names)
+    per_call = per_call_ms(raw, names)
     return TimingRun(
         stats={name: TimingStats.from_samples(per_call[name]) for name in names},
         clock="cuda_events" if device.is_cuda else "host",
@@ -311,15 +296,41 @@ def time_interleaved(
         flush_bytes=timer.flush_bytes,
         cover_ms=timer.cover_ms,
         rechecked_rounds=rechecked,
-        sync_overhead_ms=statistics.median(_sync_costs(raw)) if "null" in raw else None,
-        profile=_profiles(raw, names),
+        sync_overhead_ms=statistics.median(sync_costs(raw)) if "null" in raw else None,
+        profile=call_profiles(raw, names),
         warmup_calls=warmup_calls,
         wall_s=time.perf_counter() - t0,
         samples=raw if config.keep_samples else None,
     )
 
 
-def _sync_costs(raw: Mapping[str, list[Clocks]]) -> list[float]:
+class StopRule:
+    """When the timed rounds end: at least `min_reps` rounds and `min_time_s` seconds, then
+    once the relative standard error of every function's mean is under the target; or when
+    the budget or `max_reps` runs out. Returns the reason, or None to go on."""
+
+    def __init__(self, config: TimingConfig, names: Sequence[str], clock: Callable[[], float] = time.perf_counter):
+        self.config, self.names, self.clock = config, list(names), clock
+        self.start = clock()
+        self.next_check = self.start + config.min_time_s
+
+    def check(self, raw: Mapping[str, list[Clocks]], rounds: int) -> str | None:
+        now = self.clock()
+        if now - self.start >= self.config.budget_s:
+            return "budget"
+        # The rse rule looks at every sample so far: checking it after every round would
+        # make the loop quadratic, so it is checked at most every CHECK_EVERY_S.
+        if rounds >= self.config.min_reps and now >= self.next_check:
+            self.next_check = now + CHECK_EVERY_S
+            current = per_call_ms(raw, self.names)
+            if all(TimingStats.from_samples(current[name]).rse < self.config.rse_target for name in self.names):
+                return "rse"
+        if rounds >= self.config.max_reps:
+            return "max_reps"
+        return None
+
+
+def sync_costs(raw: Mapping[str, list[Clocks]]) -> list[float]:
     return [device_ms - stream_ms for stream_ms, device_ms, _host in raw["null"]]
 
 
@@ -327,7 +338,7 @@ def _sync_allowance(raw: Mapping[str, list[Clocks]]) -> float:
     """What the device-wide end event may cost an honest call: the null calls' 95th percentile."""
     if "null" not in raw:
         return 0.0
-    costs = sorted(_sync_costs(raw))
+    costs = sorted(sync_costs(raw))
     return costs[min(len(costs) - 1, int(0.95 * len(costs)))]
 
 
@@ -336,13 +347,13 @@ def _device_ms(clocks: Clocks, allowance: float) -> float:
     return stream_ms + max(0.0, device_ms - stream_ms - allowance)
 
 
-def _per_call_ms(raw: Mapping[str, list[Clocks]], names: Sequence[str]) -> dict[str, list[float]]:
+def per_call_ms(raw: Mapping[str, list[Clocks]], names: Sequence[str]) -> dict[str, list[float]]:
     """Each call's cost: the longer of its device time and its host time."""
     allowance = _sync_allowance(raw)
     return {name: [max(_device_ms(c, allowance), c[2]) for c in raw[name]] for name in names}
 
 
-def _profiles(raw: Mapping[str, list[Clocks]], names: Sequence[str]) -> dict[str, CallProfile]:
+def call_profiles(raw: Mapping[str, list[Clocks]], names: Sequence[str]) -> dict[str, CallProfile]:
     allowance = _sync_allowance(raw)
     profiles = {}
     for name in names:
@@ -355,6 +366,16 @@ def _profiles(raw: Mapping[str, list[Clocks]], names: Sequence[str]) -> dict[str
             off_stream_frac=sum(d > c[0] for d, c in zip(device, raw[name])) / len(device),
         )
     return profiles
+
+
+def call_timer(device: DeviceInfo, flush_l2: bool = True) -> _CudaCallTimer | _HostCallTimer:
+    """How this engine times one call on `device`; the judge's workers use it too."""
+    return _CudaCallTimer(device, flush_l2) if device.is_cuda else _HostCallTimer()
+
+
+def null_call(_inputs: InputSet) -> None:
+    """A call that does nothing: its clocks are the cost of the timing itself."""
+    return None
 
 
 class _CudaCallTimer:

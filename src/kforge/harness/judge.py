@@ -1,0 +1,608 @@
+"""The judge: one evaluation across three processes, the candidate's code in none of its own.
+
+    judge (this process)  seed, re-check draws, stage deadlines, statistics, the record
+     ├─ reference worker  the problem file: inputs, the reference, every comparison
+     └─ warden            a subreaper; kills all the candidate starts (warden.py)
+         └─ candidate's worker, confined: the candidate file, its calls, its own timings
+
+The reference worker starts first and never imports the candidate. The candidate's
+worker sees only what the arena lends it (the constructor's arguments, the current input
+set, the mailbox for its outputs) and is stopped (SIGSTOP, with everything it started)
+whenever it is not being asked something, so nothing of it runs while the reference
+runs or while its outputs are compared. What it replies are claims:
+
+- correctness: the reference worker reads the outputs from the mailbox and compares
+  them; the worker's description of them can only make it fail;
+- timings: every call is also timed here, from the command to the reply plus a GPU
+  probe from this process, which cannot finish before work the candidate left on the
+  GPU (contexts of different processes take turns): the judge's clock cannot be
+  shortened by the candidate. The claimed time of a call is trusted only as far as the
+  gap between this clock and the claim matches the reference's gap (`ClaimsCheck`);
+- which rounds are re-checked is drawn here, after the candidate's reply, from the
+  operating system's random source.
+
+See docs/harness.md for the threat model: what this defends and what it does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kforge.harness import containment
+from kforge.harness.channel import Channel, ChannelError
+from kforge.harness.evaluate import (STATUS_OF_DEFENCE, derive_seed, gate2_fields, gate2_verdict, identity,
+                                     pair_key, roofline_fields)
+from kforge.harness.record import EvalRecord
+from kforge.harness.roofline import Ceilings, get_ceilings, roofline_for
+from kforge.harness.shared import scratch_root
+from kforge.harness.timing import (MIN_COVER_MS, Clocks, StopRule, TimingConfig, TimingRun, TimingStats,
+                                   call_profiles, per_call_ms, sync_costs)
+
+LOG_TAIL = 4000  # characters of a worker's output kept in a crash record
+HARNESS = Path(__file__).resolve().parent
+MAX_COVER_MS = 20.0
+
+
+@dataclass
+class StageLimits:
+    """Seconds each stage may take before its worker is killed."""
+
+    load_s: float = 600.0  # import and build: a CUDA extension may compile here
+    gate1_s: float = 600.0  # includes the first calls' JIT compilation and autotuning
+    gate2_s: float | None = None  # default: 3x the timing budget + 300 s (warm-up, roofline)
+
+    def for_stage(self, stage: str, timing: TimingConfig) -> float:
+        if stage == "gate2":
+            return self.gate2_s if self.gate2_s is not None else 3 * timing.budget_s + 300.0
+        if stage == "gate1":
+            return self.gate1_s
+        return self.load_s
+
+
+@dataclass(frozen=True)
+class ClaimsCheck:
+    """How far the candidate's claimed call times may sit under the judge's own clock.
+
+    For each call, gap = the judge's time for it (command to reply, plus its GPU probe)
+    minus the claimed cost. An honest worker's gap is protocol overhead, the same for
+    both workers, which run the same kforge code; a claim shortened by d ms widens the
+    gap by d. The check fires when the candidate's median gap exceeds the reference's
+    by more than `abs_ms + rel * the candidate's median claimed time`.
+    """
+
+    abs_ms: float
+    rel: float
+
+    @classmethod
+    def for_device(cls, is_cuda: bool) -> ClaimsCheck:
+        # GPU: honest candidates' median gaps sat 0.01-0.10 ms above the reference's (H100,
+        # 2026-11-27: the vector add, its identity and softmax, ~1.6 ms gaps over ~1,400
+        # rounds); CPU: a shared 2-core machine's scheduler moves them by milliseconds.
+        return cls(abs_ms=0.2, rel=0.02) if is_cuda else cls(abs_ms=5.0, rel=0.5)
+
+    def excess_ms(self, gaps: dict[str, list[float]], claimed_ms: float) -> tuple[float, float]:
+        excess = statistics.median(gaps["candidate"]) - statistics.median(gaps["reference"])
+        return excess, self.abs_ms + self.rel * claimed_ms
+
+
+class Ended(Exception):
+    """The evaluation ends early with this record's status and reason."""
+
+    def __init__(self, status: str, reason: str, details: str | None = None, defences: tuple[str, ...] = (),
+                 **fields):
+        super().__init__(reason)
+        self.status, self.reason, self.details, self.defences, self.fields = status, reason, details, defences, fields
+
+
+@dataclass
+class _Worker:
+    channel: Channel
+    process: subprocess.Popen
+    log: Path
+    name: str
+
+    def tail(self) -> str | None:
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return None
+        return text[-LOG_TAIL:] or None
+
+
+@dataclass
+class Judge:
+    problem: Path
+    candidate: Path
+    baseline: str = "eager"
+    trials: int = 5
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    size: str | None = None
+    ceilings: Ceilings | None = None
+    command: str | None = None
+    gpu: int | None = None
+    device_name: str | None = None
+    limits: StageLimits = field(default_factory=StageLimits)
+    on_stage: Callable[[str], None] | None = None
+
+    def run(self) -> EvalRecord:
+        self.seed = secrets.randbits(63)
+        self.rng = secrets.SystemRandom()
+        self.stage = "start"
+        self.warnings: list[str] = []
+        self.defences: list[str] = []
+        self.hello: dict = {}
+        self.reference = self.warden = self.worker = self.gate1 = None
+        self.scratch = Path(tempfile.mkdtemp(prefix="kforge-", dir=scratch_root()))
+        # The arena's file (used on a CPU) exists before either worker starts, in a folder the
+        # candidate cannot write: it can write the file's bytes, never swap it for a link.
+        (self.scratch / "shared").mkdir()
+        self.arena_file = self.scratch / "shared" / "arena"
+        self.arena_file.touch(mode=0o600, exist_ok=False)
+        try:
+            record = self._evaluate()
+        except Ended as ended:
+            record = self._record(ended.status, ended.reason, details=ended.details,
+                                  defences=list(ended.defences), **ended.fields)
+        finally:
+            survivors = self._shut_down()
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        if survivors:  # SIGKILL could not end them (a process stuck in the kernel, say)
+            record.defences.append("process_leak")
+            record.warnings.append(f"processes the candidate started outlived the kill: {survivors}")
+        return record
+
+    # --- the stages ------------------------------------------------------------------------
+
+    def _evaluate(self) -> EvalRecord:
+        self._enter("load")
+        self.reference = self._start_reference()
+        # Both workers boot (import torch) at once; the candidate's file is imported only
+        # once the reference is built and fingerprinted.
+        self.worker = self._start_candidate()
+        self._await_reference_hello()
+        setup = self._ask_reference({"op": "setup", "init_seed": derive_seed(self.seed, "init"),
+                                     "probe_seed": derive_seed(self.seed, "probe")})
+        self.setup = setup
+        self.problem_meta = setup["problem"]
+        self._await_candidate_hello()
+        self._ask_candidate({"op": "setup", **self._candidate_job(setup)})
+        self._ask_candidate({"op": "load"})
+        self._check_reference_state()
+
+        self._enter("gate1")
+        gate1 = self.gate1 = self._gate1()
+        self._check_reference_state()
+        if not gate1["passed"]:
+            fired = {"output_type": "plain_tensor", "mutated_inputs": "input_clones",
+                     "late_output": "late_output"}.get(gate1["failure"])
+            raise Ended("incorrect", f"gate 1 failed: {gate1['reason']}", gate1=gate1,
+                        defences=(fired,) if fired else ())
+
+        self._enter("gate2")
+        run, gaps, check = self._gate2()
+        self._check_reference_state()
+        claimed = run.stats["candidate"].median_ms
+        excess, allowed = check.excess_ms(gaps, claimed)
+        claims = {"median_gap_ms": {name: statistics.median(g) for name, g in gaps.items()},
+                  "excess_ms": excess, "allowed_ms": allowed}
+        if excess > allowed:
+            raise Ended("rejected", f"the candidate's worker claimed calls {excess:.3g} ms shorter than the judge's "
+                                    f"own clock allows (more than {allowed:.3g} ms): its timings were forged",
+                        gate1=gate1, gate2=gate2_fields("rejected", run, claims=claims), defences=("timing_claims",))
+
+        ceilings = self.ceilings or get_ceilings(self._device_info())
+        roof = roofline_for(flops=setup["flops"], nbytes=setup["bytes"], compute_dtype=setup["compute_dtype"],
+                            ceilings=ceilings)
+        status, reason = gate2_verdict(run, roof, ceilings, self.baseline, self.warnings, self.defences)
+        return self._record(status, reason, gate1=gate1, gate2=gate2_fields(status, run, claims=claims),
+                            roofline=roofline_fields(roof, run, ceilings))
+
+    def _gate1(self) -> dict:
+        seeds = [derive_seed(self.seed, "trial", i) for i in range(self.trials)]
+        worst, passed = None, 0
+        atol, rtol = self.setup["tolerance"]
+        for trial, seed in enumerate(seeds, start=1):
+            self._ask_reference({"op": "draw", "seed": seed})
+            reply = self._ask_candidate({"op": "call"})
+            forbidden = sorted(set(self.setup["forbidden_ops"]) & set(_strings(reply.get("ops"))))
+            if forbidden:
+                raise Ended("rejected", f"the candidate called {', '.join(forbidden)}, which the problem forbids",
+                            defences=("forbidden_op",))
+            self._ask_reference({"op": "reference"})
+            result = self._ask_reference({"op": "compare", **_claims(reply)})["comparison"]
+            worst = result if worst is None else _worse(worst, result)
+            if not result["ok"]:
+                return _gate1_report(False, trial, passed, seeds, atol, rtol, worst,
+                                     f"trial {trial}: {result['reason']}", result["failure"])
+            passed += 1
+        return _gate1_report(True, len(seeds), passed, seeds, atol, rtol, worst, None, None)
+
+    def _gate2(self) -> tuple[TimingRun, dict[str, list[float]], ClaimsCheck]:
+        config = self.timing
+        t0 = time.perf_counter()
+        self._ask_reference({"op": "draw", "seed": derive_seed(self.seed, "pool", 0)})
+        warm = self._ask_reference({"op": "warm", "min_calls": config.min_warmup_calls, "seconds": config.warmup_s})
+        cand_warm = self._ask_candidate({"op": "warm", "min_calls": config.min_warmup_calls,
+                                         "seconds": config.warmup_s})
+        # The GPU sleep before each call comes from the reference alone: the candidate
+        # cannot stretch the window its side-stream work would hide in.
+        cover = min(max(2 * _number(warm.get("host_ms")), MIN_COVER_MS), MAX_COVER_MS)
+        cover = self._ask_reference({"op": "set_cover", "ms": cover}).get("cover_ms")
+        if cover is not None:
+            self._ask_candidate({"op": "set_cover", "ms": cover})
+
+        names = ["reference", "candidate"]
+        raw: dict[str, list[Clocks]] = {"reference": [], "candidate": [], "null": []}
+        gaps: dict[str, list[float]] = {"reference": [], "candidate": []}
+        stopper = StopRule(config, names)
+        rounds = rechecked = 0
+        while True:
+            self._ask_reference({"op": "draw", "seed": derive_seed(self.seed, "round", rounds)})
+            order = ["reference", "candidate", "null"]
+            self.rng.shuffle(order)
+            claims = None
+            for name in order:
+                if name == "candidate":
+                    reply = self._ask_candidate({"op": "time"})
+                    claims = _claims(reply)
+                else:
+                    reply = self._ask_reference({"op": "time", "null": name == "null"}, probe=name != "null")
+                clocks = _clocks(reply.get("clocks"), name)
+                if name == "candidate" and max(clocks[0], clocks[2]) <= 0:
+                    raise Ended("rejected", "the candidate's worker claimed a call that took no time: its timings "
+                                            "were forged", defences=("timing_claims",))
+                raw[name].append(clocks)
+                if name in gaps:
+                    gaps[name].append(self.wall_ms - max(clocks[0], clocks[2]))
+            rounds += 1
+            stop_reason = stopper.check(raw, rounds)
+            # Drawn now, after the candidate's reply, from a source its process cannot read.
+            if rounds == 1 or stop_reason or self.rng.random() < config.recheck_fraction:
+                rechecked += 1
+                result = self._ask_reference({"op": "compare", **claims})["comparison"]
+                if not result["ok"]:
+                    name = result["failure"] if result["failure"] in ("poison", "late_output") else "recheck"
+                    raise Ended(STATUS_OF_DEFENCE[name], f"a timed call's output was wrong: {result['reason']}",
+                                defences=(name,))
+            if stop_reason:
+                break
+        per_call = per_call_ms(raw, names)
+        run = TimingRun(
+            stats={name: TimingStats.from_samples(per_call[name]) for name in names},
+            clock="cuda_events" if self._device_info().is_cuda else "host", rounds=rounds, stop_reason=stop_reason,
+            pool_sets=1, pool_bytes=0, flush_bytes=4 * (self._device_info().cache_bytes or 0)
+            if self._device_info().is_cuda and config.flush_l2 else 0,
+            cover_ms=cover, rechecked_rounds=rechecked,
+            sync_overhead_ms=statistics.median(sync_costs(raw)) if self._device_info().is_cuda else None,
+            profile=call_profiles(raw, names), warmup_calls={"reference": warm.get("calls"),
+                                                            "candidate": cand_warm.get("calls")},
+            wall_s=time.perf_counter() - t0,
+        )
+        return run, gaps, ClaimsCheck.for_device(self._device_info().is_cuda)
+
+    # --- talking to the workers ------------------------------------------------------------
+
+    def _enter(self, stage: str) -> None:
+        self.stage = stage
+        self.deadline = time.monotonic() + self.limits.for_stage(stage, self.timing)
+        if self.on_stage:
+            self.on_stage(stage)
+
+    def _ask_reference(self, message: dict, probe: bool = False) -> dict:
+        try:
+            if probe:
+                self._probe()  # as before the candidate's calls: the switch to this context costs the same
+            started = time.perf_counter()
+            reply = self.reference.channel.request(message, self.deadline)
+            if probe:
+                self._probe()
+            self.wall_ms = (time.perf_counter() - started) * 1e3
+        except ChannelError as exc:
+            if exc.kind == "timeout":
+                raise Ended("timeout", f"{self.stage} ran past its {self._limit():g} s limit in the reference "
+                                       "worker (the problem's code); the workers were killed",
+                            details=self.reference.tail()) from None
+            raise Ended("crash", f"the reference worker failed during {self.stage}: {exc.reason}",
+                        details=self.reference.tail()) from None
+        if "error" in reply:
+            error = reply["error"]
+            raise Ended(error["kind"], error["reason"], details=error.get("details"))
+        return reply
+
+    def _ask_candidate(self, message: dict) -> dict:
+        """Wake the candidate's tree, ask, stop the tree the moment it replies, then wait for
+        the GPU: nothing of it runs between its reply and its next command, and whatever it
+        left queued on the GPU finishes inside the judge's clock."""
+        tree = self._candidate_tree()
+        containment.signal_all(tree, signal.SIGCONT)
+        try:
+            self._probe()  # the GPU was last the judge's, before either worker's timed call
+            started = time.perf_counter()
+            reply = self.worker.channel.request(message, self.deadline)
+            containment.signal_all(tree, signal.SIGSTOP)
+            self._probe()
+            self.wall_ms = (time.perf_counter() - started) * 1e3
+        except ChannelError as exc:
+            raise self._candidate_failed(exc) from None
+        finally:  # and whatever it started during the call
+            containment.signal_all(self._candidate_tree(), signal.SIGSTOP)
+        if "error" in reply:
+            self._raise_candidate_error(reply["error"])
+        return reply
+
+    def _raise_candidate_error(self, error) -> None:
+        if not isinstance(error, dict) or error.get("kind") not in ("candidate_error", "oom", "cuda_error"):
+            raise Ended("crash", f"the candidate's worker sent an unknown error: {str(error):.200}")
+        raise Ended(error["kind"], str(error.get("reason"))[:2000], details=_text(error.get("details")))
+
+    def _candidate_failed(self, exc: ChannelError) -> Ended:
+        if exc.kind == "timeout":
+            return Ended("timeout", f"{self.stage} ran past its {self._limit():g} s limit; the candidate's worker "
+                                    "and everything it started were killed", details=self.worker.tail())
+        if exc.kind == "malformed":
+            return Ended("crash", f"the candidate's worker broke the protocol during {self.stage}: {exc.reason}",
+                         details=self.worker.tail())
+        status = self._kill_candidate()
+        if status is not None and status < 0:
+            name = signal.Signals(-status).name if -status in signal.valid_signals() \
+                else str(-status)
+            reason = f"the worker died on {name} during {self.stage}"
+        else:
+            reason = f"the worker exited with status {status} during {self.stage} without a result"
+        return Ended("crash", reason, details=self.worker.tail())
+
+    def _candidate_tree(self) -> list[int]:
+        if self.warden is None:
+            return []
+        return containment.descendants(self.warden.pid)
+
+    def _limit(self) -> float:
+        return self.limits.for_stage(self.stage, self.timing)
+
+    def _probe(self) -> None:
+        """Wait until the GPU has finished everything queued on it, by any process: work in
+        another process's context keeps this one's kernel waiting (up to a time slice)."""
+        if getattr(self, "_probe_tensor", None) is not None:
+            self._probe_tensor.add_(1)
+            self._torch.cuda.synchronize(self._probe_tensor.device)
+
+    def _check_reference_state(self) -> None:
+        changed = self._ask_reference({"op": "state"}).get("changed")
+        if changed:
+            raise Ended("rejected", f"the reference's state changed while the candidate ran: {', '.join(changed)}",
+                        defences=("reference_state",))
+
+    # --- starting and stopping the workers -------------------------------------------------
+
+    def _environment(self) -> dict:
+        env = dict(os.environ)
+        if self.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
+        return env
+
+    def _pipes(self) -> tuple[Channel, int, int]:
+        command_read, command_write = os.pipe()
+        reply_read, reply_write = os.pipe()
+        return Channel(reply_read, command_write, "?"), command_read, reply_write
+
+    def _start_reference(self) -> _Worker:
+        channel, command_fd, reply_fd = self._pipes()
+        channel.name = "reference"
+        log = self.scratch / "reference.log"
+        device_kind = "cuda" if _cuda_available() else "cpu"
+        job = dict(problem=str(self.problem), size=self.size or ("full" if device_kind == "cuda" else "auto"),
+                   device=device_kind, baseline=self.baseline, arena_file=str(self.arena_file),
+                   flush_l2=self.timing.flush_l2, command_fd=command_fd, reply_fd=reply_fd)
+        with open(log, "wb") as out:
+            process = subprocess.Popen([sys.executable, "-m", "kforge.harness.reference_worker"],
+                                       stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                       pass_fds=(command_fd, reply_fd), env=self._environment(),
+                                       start_new_session=True)
+        os.close(command_fd)
+        os.close(reply_fd)
+        process.stdin.write((json.dumps(job) + "\n").encode())
+        process.stdin.close()
+        return _Worker(channel, process, log, "reference")
+
+    def _await_reference_hello(self) -> None:
+        try:
+            self.hello = self.reference.channel.receive(self.deadline)["hello"]
+        except (ChannelError, KeyError, TypeError) as exc:
+            raise Ended("crash", f"the reference worker did not start: {getattr(exc, 'reason', exc)}",
+                        details=self.reference.tail()) from None
+        if self.hello["device"]["kind"] == "cuda":
+            import torch
+
+            self._torch = torch
+            self._probe_tensor = torch.zeros(1, device=torch.device("cuda", self.gpu or 0))
+
+    def _start_candidate(self) -> _Worker:
+        channel, command_fd, reply_fd = self._pipes()
+        channel.name = "candidate's"
+        work = self.scratch / "candidate"
+        (work / "tmp").mkdir(parents=True)
+        from kforge.harness.loading import file_sha256
+
+        cache = _cache_root() / "candidates" / file_sha256(Path(self.candidate))[:16]
+        cache.mkdir(parents=True, exist_ok=True)
+        env = self._environment()
+        # Every cache the candidate's libraries write is its own: it cannot plant a kernel
+        # the reference, or another candidate, would load.
+        env.update(TMPDIR=str(work / "tmp"), TRITON_CACHE_DIR=str(cache / "triton"),
+                   TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TORCH_EXTENSIONS_DIR=str(cache / "extensions"),
+                   XDG_CACHE_HOME=str(cache / "xdg"))
+        log = self.scratch / "candidate.log"
+        # The GPU's device files and the worker's own /proc entry: the CUDA driver opens the
+        # former for writing and writes under /proc/self (without either, cudaGetDeviceCount
+        # fails: H100, 2026-11-27); /dev/shm, where torch keeps the reference counts of the
+        # CUDA IPC memory it opens (without it, opening the arena fails). The evaluations'
+        # own folders are elsewhere (shared.scratch_root).
+        writable = [str(work), str(cache), str(self.arena_file), "/proc/self", "/dev/shm", *_device_files()]
+        warden_job = dict(argv=[sys.executable, "-m", "kforge.harness.candidate_worker"], env=env, writable=writable,
+                          pass_fds=[command_fd, reply_fd], log=str(log),
+                          worker_job={"command_fd": command_fd, "reply_fd": reply_fd})
+        self.warden = subprocess.Popen([sys.executable, str(HARNESS / "warden.py")], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, pass_fds=(command_fd, reply_fd), env=env,
+                                       start_new_session=True)
+        os.close(command_fd)
+        os.close(reply_fd)
+        self.warden.stdin.write((json.dumps(warden_job) + "\n").encode())
+        self.warden.stdin.flush()
+        spawned = json.loads(self.warden.stdout.readline() or "{}")
+        self.confinement = spawned.get("confinement") or None
+        missing = containment.Confinement(**self.confinement).missing() if self.confinement else ["everything"]
+        if missing:
+            self.warnings.append(f"the candidate's worker is not contained against: {', '.join(missing)} "
+                                 "(this kernel offers no Landlock, or not this version)")
+        return _Worker(channel, self.warden, log, "candidate's")
+
+    def _await_candidate_hello(self) -> None:
+        try:
+            self.worker.channel.receive(self.deadline)
+        except ChannelError as exc:
+            raise self._candidate_failed(exc) from None
+        finally:
+            containment.signal_all(self._candidate_tree(), signal.SIGSTOP)
+
+    def _candidate_job(self, setup: dict) -> dict:
+        return dict(candidate=str(self.candidate), device=self.hello["device"]["kind"], arena=setup["arena"],
+                    init=setup["init"], inputs=setup["inputs"], mailbox=setup["mailbox"],
+                    init_seed=derive_seed(self.seed, "init"), flush_l2=self.timing.flush_l2,
+                    forbidden_ops=setup["forbidden_ops"])
+
+    def _kill_candidate(self) -> int | None:
+        """Kill the candidate's worker and all it started; its exit status (negative: a signal)."""
+        if self.warden is None or self.warden.poll() is not None:
+            return None
+        try:
+            self.warden.stdin.write(b"kill\n")
+            self.warden.stdin.flush()
+            reply = json.loads(self.warden.stdout.readline() or "{}")
+        except (OSError, ValueError):
+            return None
+        self.survivors = reply.get("survivors") or []
+        return reply.get("exit")
+
+    def _shut_down(self) -> list[int]:
+        self.survivors = getattr(self, "survivors", [])
+        if self.warden is not None:
+            self._kill_candidate()
+            try:
+                self.warden.stdin.close()
+                self.warden.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.warden.kill()
+                self.warden.wait()
+            self.worker and self.worker.channel.close()
+        if self.reference is not None:
+            try:
+                self.reference.channel.request({"op": "exit"}, time.monotonic() + 5)
+            except ChannelError:
+                pass
+            if self.reference.process.poll() is None:
+                containment.kill_tree(self.reference.process.pid, also_orphans=False)
+            self.reference.process.wait()
+            self.reference.channel.close()
+        return self.survivors
+
+    # --- the record ------------------------------------------------------------------------
+
+    def _device_info(self):
+        from kforge.device import DeviceInfo
+
+        return DeviceInfo(**self.hello["device"])
+
+    def _record(self, status: str, reason: str | None, defences: list[str] | None = None, **fields) -> EvalRecord:
+        if getattr(self, "gate1", None) is not None:
+            fields.setdefault("gate1", self.gate1)
+        problem = identity(self.problem)
+        if getattr(self, "problem_meta", None):
+            problem.update(size=self.problem_meta["size"], tags=self.problem_meta["tags"])
+        device = self.hello.get("device") or {"kind": "unknown", "name": self.device_name or "unknown"}
+        candidate = identity(self.candidate)
+        key = pair_key(problem["sha256"], candidate["sha256"], self.baseline, self.size,
+                       self.device_name or device.get("name", "unknown"))
+        return EvalRecord(status=status, reason=reason, problem=problem, candidate=candidate, device=device,
+                          versions=self.hello.get("versions") or {}, baseline=self.baseline, seed=self.seed,
+                          command=self.command, pair_key=key, warnings=self.warnings,
+                          defences=self.defences + (defences or []),
+                          containment=getattr(self, "confinement", None), **fields)
+
+
+def _gate1_report(passed, trials, trials_passed, seeds, atol, rtol, worst, reason, failure) -> dict:
+    worst = worst or {}
+    return dict(passed=passed, trials=trials, trials_passed=trials_passed, seeds=list(seeds), atol=atol, rtol=rtol,
+                max_abs_err=worst.get("max_abs_err", 0.0), max_rel_err=worst.get("max_rel_err", 0.0),
+                mismatch_frac=worst.get("mismatch_frac", 0.0), rel_l2_err=worst.get("rel_l2_err", 0.0),
+                failure=failure, reason=reason)
+
+
+def _worse(a: dict, b: dict) -> dict:
+    keys = ("max_abs_err", "max_rel_err", "mismatch_frac", "rel_l2_err")
+    return {**b, **{k: max(a.get(k, 0.0), b.get(k, 0.0)) for k in keys}, "ok": a["ok"] and b["ok"]}
+
+
+def _clocks(value, name: str) -> Clocks:
+    """Three finite, non-negative numbers, or the worker broke the protocol."""
+    if (not isinstance(value, list) or len(value) != 3
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9 for v in value)):
+        raise Ended("crash", f"the {name} worker sent malformed clocks: {str(value):.120}")
+    return (float(value[0]), float(value[1]), float(value[2]))
+
+
+def _claims(reply: dict) -> dict:
+    """The candidate's description of its outputs and the digests of its mailbox, fit to
+    forward to the reference worker: strict JSON (no NaN), of a sane size. Whether they are
+    right is the reference worker's call."""
+    claims = {"claims": reply.get("outputs"), "digests": reply.get("digests")}
+    try:
+        size = len(json.dumps(claims, allow_nan=False))
+    except (TypeError, ValueError, RecursionError):
+        raise Ended("crash", "the candidate's worker described its outputs in what is not strict JSON") from None
+    if size > 1 << 16:
+        raise Ended("crash", f"the candidate's worker described its outputs in {size} bytes")
+    return claims
+
+
+def _number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _strings(value) -> list[str]:
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+def _text(value) -> str | None:
+    return str(value)[:20000] if value is not None else None
+
+
+def _device_files() -> list[str]:
+    """The device files a CUDA program opens for writing: the driver's, and the harmless ones."""
+    names = ("null", "zero", "full", "random", "urandom")
+    dev = Path("/dev")
+    found = [dev / name for name in names] + (sorted(dev.glob("nvidia*")) if dev.is_dir() else [])
+    return [str(path) for path in found if path.exists()]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cache_root() -> Path:
+    from kforge.device import cache_dir
+
+    return cache_dir()

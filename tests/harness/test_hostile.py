@@ -1,0 +1,324 @@
+"""Hostile candidates against the judge (evaluate_isolated), one per attack, on a CPU.
+
+Each candidate lives in tests/fixtures/candidates/ and opens with what it tries and what
+stops it. Four classes of attack:
+
+1. the reference reachable from the candidate's process   (ref_*.py)
+2. the judge's own code and state reachable               (judge_*.py)
+3. the parent trusting what the worker sends              (reply_*.py)
+4. the worker's reach outliving it                        (outlive_*.py)
+
+Classes 1 and 2 worked while candidates ran in the caller's process; 3 and 4 are what a
+worker process opens. Every test asserts the exact outcome: the status, the defence
+that fired (where one does), the gate and failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES
+from kforge.harness import containment
+from kforge.harness.channel import MAX_LINE
+from kforge.harness.isolation import StageLimits, evaluate_isolated
+from kforge.harness.timing import TimingConfig
+
+LIMITS = StageLimits(load_s=20, gate1_s=20, gate2_s=20)
+ABI = containment.landlock_abi()
+needs_landlock = pytest.mark.skipif(ABI == 0, reason="needs Landlock (filesystem confinement)")
+needs_signal_scope = pytest.mark.skipif(ABI < 6, reason="needs Landlock ABI >= 6 (signal scoping)")
+
+
+@pytest.fixture
+def judge(cpu, cpu_ceilings):
+    """judge(candidate, problem) -> the record of evaluate_isolated on the CPU. The remeasure
+    of large speedups is off: every record here comes from one evaluation."""
+
+    def _run(candidate: str, problem: str = "add", *, timing: TimingConfig | None = None):
+        return evaluate_isolated(FIXTURES / "problems" / f"{problem}.py", FIXTURES / "candidates" / f"{candidate}.py",
+                                 timing=timing or TimingConfig(budget_s=0.5), ceilings=cpu_ceilings, size="full",
+                                 device_name=cpu.name, limits=LIMITS, remeasure_above=None)
+
+    return _run
+
+
+def candidate_cache(tmp_path: Path) -> Path:
+    """The one candidate's cache folder of this test (conftest points KFORGE_CACHE_DIR here)."""
+    folders = list((tmp_path / "kforge-cache" / "candidates").iterdir())
+    assert len(folders) == 1, folders
+    return folders[0]
+
+
+def assert_gate1_values(record, status: str = "incorrect"):
+    assert record.status == status, record.reason
+    assert record.gate1 is not None and not record.gate1["passed"], record.reason
+    assert record.gate1["failure"] == "values" and record.gate1["trials_passed"] == 0, record.gate1
+    assert record.defences == [], record.defences
+
+
+def test_an_honest_candidate_passes_with_its_claims_checked(judge):
+    record = judge("vectorized_row_sums", "row_sums")
+    assert record.gate1["passed"] and record.gate1["trials_passed"] == 5, record.reason
+    claims = record.gate2["claims"]
+    assert set(claims) == {"median_gap_ms", "excess_ms", "allowed_ms"}
+    assert set(claims["median_gap_ms"]) == {"reference", "candidate"}
+    assert claims["excess_ms"] <= claims["allowed_ms"]
+    assert "timing_claims" not in record.defences
+
+
+# --- 1. the reference reachable from the candidate's process --------------------------
+# Each returns zeros and counts on its attack to make the reference return zeros too. The
+# reference runs in another process: the attack never reaches it.
+
+@pytest.mark.parametrize("candidate, problem", [
+    ("ref_function_mode", "add"),  # a TorchFunctionMode entered at import, never exited
+    ("ref_profile_hook", "add"),  # sys.setprofile zeroing Model.forward's return value
+    ("ref_patch_add", "add"),  # torch.Tensor.__add__ and torch.add patched to zeros
+    ("ref_gc_weights", "linear"),  # gc walk zeroing Model's weights, the problem module patched
+])
+def test_1_the_reference_is_out_of_the_candidates_reach(judge, candidate, problem):
+    assert_gate1_values(judge(candidate, problem))
+
+
+# --- 2. the judge's own code and state reachable -----------------------------------------
+
+def test_2a_a_patched_tolerance_stays_in_the_candidates_process(judge):
+    record = judge("judge_tolerance")
+    assert_gate1_values(record)
+    assert record.gate1["atol"] == record.gate1["rtol"] == 1e-4, "the problem's tolerance, not the patched one"
+
+
+def test_2b_a_patched_comparison_stays_in_the_candidates_process(judge):
+    assert_gate1_values(judge("judge_comparison"))
+
+
+@pytest.mark.slow
+def test_2c_a_lottery_on_the_rechecked_rounds_loses(judge):
+    # Right in gate 1, garbage in a random half of the timed calls. Round 1 and the last are
+    # always re-checked, the others with probability 0.5 here, so with R rounds it escapes
+    # with probability 1/2 * (3/4)^(R-2) * 1/2: R is ~300-500 in 1 s on this machine
+    # (1e-40 or less); even at R = 30 it is 8e-5. (At the default 2%, (0.99)^R/4 ~ 0.5%.)
+    record = judge("judge_recheck_lottery", timing=TimingConfig(budget_s=1.0, recheck_fraction=0.5))
+    assert record.status == "incorrect", record.reason
+    assert record.defences == ["recheck"], record.defences
+    assert record.reason.startswith("a timed call's output was wrong"), record.reason
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("candidate", [
+    "judge_forge_clock",  # time.perf_counter_ns patched: the timer's second read is frozen
+    "judge_forge_timer",  # _HostCallTimer.time_call replaced through sys.modules
+])
+def test_2d_forged_timings_are_caught_by_the_judges_clock(judge, candidate):
+    # Each call really sleeps 30 ms and claims 0.02 ms: without the cross-check, "passed"
+    # with a ~3x speedup.
+    record = judge(candidate)
+    assert record.status == "rejected", record.reason
+    assert record.defences == ["timing_claims"], record.defences
+    assert record.gate1["passed"], "its outputs are right: only the timings are forged"
+    claims = record.gate2["claims"]
+    assert record.gate2["stats"]["candidate"]["median_ms"] == pytest.approx(0.02, abs=0.005)
+    assert 20 < claims["excess_ms"] and claims["allowed_ms"] < 6, claims
+
+
+def test_2d_a_claim_of_zero_time_is_rejected_not_divided_by(judge):
+    record = judge("judge_zero_claims")
+    assert record.status == "rejected", record.reason
+    assert record.defences == ["timing_claims"], record.defences
+    assert "took no time" in record.reason
+
+
+# --- 3. the parent trusting what the worker sends --------------------------------------
+
+def test_3a_a_reply_that_is_not_json_is_a_protocol_breach(judge):
+    record = judge("reply_not_json")
+    assert record.status == "crash", record.reason
+    assert record.reason.startswith("the candidate's worker broke the protocol during load"), record.reason
+    assert "not JSON" in record.reason and "PASSED" in record.reason
+
+
+def test_3a_success_claimed_in_every_reply_is_ignored(judge):
+    assert_gate1_values(judge("reply_forged_success"))
+
+
+def test_3a_a_forged_line_written_to_the_reply_pipe_proves_nothing(judge):
+    # The judge takes the forged line as load's reply, and load's real reply ({}) as the
+    # first call's: a reply that describes no output and digests no mailbox fails,
+    # whatever the forged line said.
+    record = judge("reply_fd_direct")
+    assert record.status == "incorrect", record.reason
+    assert record.gate1["failure"] == "structure" and record.gate1["trials_passed"] == 0, record.gate1
+    assert "did not say what its mailbox holds" in record.gate1["reason"]
+
+
+def test_3b_an_error_kind_the_worker_may_not_give_is_a_crash(judge):
+    record = judge("reply_unknown_error")
+    assert record.status == "crash", record.reason
+    assert record.reason.startswith("the candidate's worker sent an unknown error: {'kind': 'passed'"), record.reason
+    assert record.gate1 is None and record.gate2 is None
+
+
+def test_3b_clocks_that_are_not_numbers_are_a_crash(judge):
+    record = judge("reply_string_clocks")
+    assert record.status == "crash", record.reason
+    assert record.reason.startswith("the candidate worker sent malformed clocks: ['0.001'"), record.reason
+
+
+def test_3c_a_reply_over_the_line_limit_is_a_protocol_breach(judge):
+    record = judge("reply_over_1mb")
+    assert record.status == "crash", record.reason
+    assert record.reason == (f"the candidate's worker broke the protocol during gate1: the candidate's worker "
+                             f"sent a line over {MAX_LINE} bytes")
+
+
+def test_3c_deeply_nested_json_is_a_protocol_breach(judge):
+    record = judge("reply_deep_json")
+    assert record.status == "crash" and "broke the protocol during gate1" in record.reason, record.reason
+
+
+def test_3c_an_integer_too_long_to_parse_is_a_protocol_breach(judge):
+    record = judge("reply_huge_int")
+    assert record.status == "crash" and "broke the protocol during gate1" in record.reason, record.reason
+
+
+def test_3b_nan_in_the_claims_is_refused_not_forwarded(judge):
+    record = judge("reply_nan_claims")
+    assert record.status in ("crash", "incorrect"), record.reason
+    assert record.gate1 is None or record.gate1["failure"] == "structure"
+
+
+# --- 4. the worker's reach outliving it ------------------------------------------------
+
+def processes_with(token: bytes) -> list[int]:
+    """Live processes (not this one) whose environment holds `token`."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if token in f.read() and containment.alive(int(name)):
+                    found.append(int(name))
+        except OSError:
+            continue
+    return found
+
+
+def named(comm: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/comm") as f:
+                if name.isdigit() and f.read().strip() == comm and containment.alive(int(name)):
+                    found.append(int(name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture
+def target(tmp_path, monkeypatch):
+    """A results file outside every folder the candidate may write, named in its environment."""
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"status": "incorrect", "honest": true}\n')
+    monkeypatch.setenv("KFORGE_TEST_TARGET", str(path))
+    return path
+
+
+@needs_landlock
+@pytest.mark.slow
+def test_4a_a_setsid_daemon_is_killed_with_the_evaluation(judge, target, tmp_path, monkeypatch):
+    token = f"kforge-hostile-{secrets.token_hex(8)}"
+    monkeypatch.setenv("KFORGE_HOSTILE_TOKEN", token)  # the judge passes its environment on
+    before = target.read_text()
+    record = judge("outlive_daemon", "row_sums")
+    assert record.status == "passed", record.reason
+    assert record.containment["filesystem"] is True
+    assert not any("process" in w for w in record.warnings) and "process_leak" not in record.defences
+
+    heartbeat = candidate_cache(tmp_path) / "daemon.beat"
+    assert heartbeat.exists(), "the daemon ran (its heartbeat is in the candidate's cache)"
+    beat = heartbeat.read_text()
+    assert "target=PermissionError" in beat, beat
+    time.sleep(3)  # past the daemon's second try at the results file
+    assert heartbeat.read_text() == beat, "the daemon kept beating after the evaluation"
+    assert target.read_text() == before
+    pid = int(beat.split()[0].removeprefix("pid="))
+    assert not containment.alive(pid)
+    assert processes_with(token.encode()) == [] and named("kforge-daemon") == []
+
+
+@needs_signal_scope
+def test_4b_signals_to_the_judge_and_its_workers_are_refused(judge, tmp_path):
+    record = judge("outlive_signals", "row_sums")
+    assert record.status == "passed", record.reason  # right outputs only if every signal was refused
+    assert record.containment["signals"] is True
+    tried = json.loads((candidate_cache(tmp_path) / "signals.json").read_text())
+    targets = {pid for what, pid, outcome in tried["attempts"] if what.startswith("kill(")}
+    assert os.getpid() in targets, "it found the judge (this pytest process)"
+    assert all(outcome == "PermissionError" for _what, _pid, outcome in tried["attempts"]), tried
+    with open(f"/proc/{os.getpid()}/stat") as f:
+        assert f.read().rsplit(")", 1)[1].split()[0] != "T", "this process is not stopped"
+
+
+def test_4c_a_thread_scribbling_on_its_outputs_changes_nothing(judge):
+    # Whether the thread scribbles before the mailbox copy (wrong values) or after the
+    # reply (the mailbox no longer matches its digest) is a race; either way it fails.
+    record = judge("outlive_thread")
+    assert record.status == "incorrect" and record.gate1["failure"] in ("values", "late_output"), record.reason
+
+
+@needs_landlock
+def test_4d_writes_outside_its_folders_are_refused(judge, target, tmp_path):
+    before = target.read_text()
+    record = judge("outlive_write", "row_sums")
+    assert record.status == "passed", record.reason  # right outputs only if both writes were refused
+    assert record.containment["filesystem"] is True
+    assert target.read_text() == before
+    assert not (tmp_path / "kforge-cache" / "ceilings" / "forged.json").exists()
+    assert (candidate_cache(tmp_path) / "allowed.txt").exists(), "its own cache folder stays writable"
+
+
+def test_4e_work_done_after_the_reply_is_not_accepted(judge):
+    # If its late write lands before the stop, the digest catches it; if not, the mailbox
+    # holds nothing: either way it fails.
+    record = judge("outlive_post_reply")
+    assert record.status == "incorrect" and record.gate1["failure"] in ("late_output", "poison", "values"), \
+        record.reason
+
+
+@needs_landlock
+@pytest.mark.slow
+def test_4f_a_candidate_cannot_reach_another_evaluations_scratch(cpu, cpu_ceilings, target, write):
+    # Two evaluations at once, as `kforge suite` runs them on two GPUs, in the judge's own
+    # scratch root, which the candidate's worker cannot write.
+    honest = write("honest_add.py", """
+        import torch
+        class ModelNew(torch.nn.Module):
+            def forward(self, a, b):
+                return a + b
+    """)
+    before = target.read_text()
+    records = {}
+
+    def run(name, candidate, budget_s):
+        records[name] = evaluate_isolated(FIXTURES / "problems" / "add.py", candidate,
+                                          timing=TimingConfig(budget_s=budget_s), ceilings=cpu_ceilings, size="full",
+                                          device_name=cpu.name, limits=LIMITS, remeasure_above=None)
+
+    hostile = threading.Thread(target=run, args=("hostile", FIXTURES / "candidates" / "outlive_scratch_symlink.py", 4.0))
+    hostile.start()
+    try:
+        time.sleep(3.0)  # the hostile candidate is being timed when the other evaluation starts
+        run("honest", honest, 0.5)
+    finally:
+        hostile.join()
+    assert target.read_text() == before, "another evaluation's reference worker wrote through the planted link"
+    assert records["honest"].status in ("passed", "slower"), records["honest"].reason
