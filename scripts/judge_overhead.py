@@ -6,7 +6,8 @@ OLD_SRC is the `src` folder of the kforge to compare with (e.g. `git archive <co
 unpacked). Both trees evaluate the same pairs, interleaved repeat by repeat so drift falls
 on both alike: the example suite (`kforge suite examples/problems --solutions
 examples/triton`, wall clock of the whole command) and the ~10 us vector add alone
-(`kforge eval`, its medians, rounds and timed-loop wall time). Writes
+(`kforge eval`, its medians, rounds and timed-loop wall time), each with a 5 s timing
+budget. Writes
 OUT_DIR/judge-overhead.json and prints a table last.
 """
 
@@ -44,12 +45,12 @@ def main() -> None:
         for name, src in trees.items():
             store = out / f"suite-{name}-{repeat}.jsonl"
             wall, summary = kforge(src, "suite", "examples/problems", "--solutions", "examples/triton", "--results",
-                                   str(store), "--force", "--json")
+                                   str(store), "--force", "--json", "--time-budget", "5")
             rows[name]["suite_s"].append(wall)
             if summary:
                 rows[name]["pairs"].append({r["name"]: [r["status"], r["speedup"]] for r in summary["rows"]})
             wall, record = kforge(src, "eval", "examples/problems/vector_add.py", "examples/triton/vector_add.py",
-                                  "--json", "--no-save")
+                                  "--json", "--no-save", "--time-budget", "5")
             if record and record.get("gate2"):
                 g = record["gate2"]
                 rows[name]["vector_add"].append({

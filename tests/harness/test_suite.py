@@ -126,8 +126,8 @@ def test_resume_without_a_store_is_refused(tmp_path):
     assert result.returncode == 2 and "nothing to resume" in result.stderr
 
 
-def test_a_suite_of_honest_crashing_hanging_forging_and_leaking_candidates_ends_with_the_right_table(tmp_path, cpu,
-                                                                                                   cpu_ceilings):
+def test_a_suite_of_honest_crashing_hanging_forging_and_leaking_candidates_ends_with_the_right_table(
+        tmp_path, cpu, cpu_ceilings):
     from kforge.harness import containment
     from kforge.harness.roofline import save_ceilings
 

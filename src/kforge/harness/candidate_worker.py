@@ -56,7 +56,7 @@ class CandidateWorker:
         self.candidate = load_candidate(self.job["candidate"])
         init = clone_arguments(rebuild(self.job["init"], self.arena))  # its own copies, not the arena's
         self.model = self.candidate.build(init, self.job["init_seed"], self.dev)
-        self.timer = call_timer(self.device, self.job["flush_l2"])
+        self.timer = call_timer(self.device, self.job["flush_l2"], synced=True)
         return {}
 
     def _run(self):

@@ -84,7 +84,7 @@ class ReferenceWorker:
 
         flops = problem.count_flops(probe_inputs)
         nbytes = problem.count_bytes(probe_inputs, probe_out, model)
-        self.timer = call_timer(self.device, job["flush_l2"])
+        self.timer = call_timer(self.device, job["flush_l2"], synced=True)
         self.fingerprint = self._fingerprint()
         return dict(
             problem={"name": problem.name, "size": problem.size, "tags": problem.tags},

@@ -309,8 +309,9 @@ class StopRule:
     once the relative standard error of every function's mean is under the target; or when
     the budget or `max_reps` runs out. Returns the reason, or None to go on."""
 
-    def __init__(self, config: TimingConfig, names: Sequence[str], clock: Callable[[], float] = time.perf_counter):
-        self.config, self.names, self.clock = config, list(names), clock
+    def __init__(self, config: TimingConfig, names: Sequence[str], clock: Callable[[], float] = time.perf_counter,
+                 host: bool = True):
+        self.config, self.names, self.clock, self.host = config, list(names), clock, host
         self.start = clock()
         self.next_check = self.start + config.min_time_s
 
@@ -322,7 +323,7 @@ class StopRule:
         # make the loop quadratic, so it is checked at most every CHECK_EVERY_S.
         if rounds >= self.config.min_reps and now >= self.next_check:
             self.next_check = now + CHECK_EVERY_S
-            current = per_call_ms(raw, self.names)
+            current = per_call_ms(raw, self.names, self.host)
             if all(TimingStats.from_samples(current[name]).rse < self.config.rse_target for name in self.names):
                 return "rse"
         if rounds >= self.config.max_reps:
@@ -347,10 +348,11 @@ def _device_ms(clocks: Clocks, allowance: float) -> float:
     return stream_ms + max(0.0, device_ms - stream_ms - allowance)
 
 
-def per_call_ms(raw: Mapping[str, list[Clocks]], names: Sequence[str]) -> dict[str, list[float]]:
-    """Each call's cost: the longer of its device time and its host time."""
+def per_call_ms(raw: Mapping[str, list[Clocks]], names: Sequence[str], host: bool = True) -> dict[str, list[float]]:
+    """Each call's cost: the longer of its device time and its host time (with `host`), or
+    its device time alone (the judge's synced calls, whose device time holds their launches)."""
     allowance = _sync_allowance(raw)
-    return {name: [max(_device_ms(c, allowance), c[2]) for c in raw[name]] for name in names}
+    return {name: [max(_device_ms(c, allowance), c[2] if host else 0.0) for c in raw[name]] for name in names}
 
 
 def call_profiles(raw: Mapping[str, list[Clocks]], names: Sequence[str]) -> dict[str, CallProfile]:
@@ -368,9 +370,12 @@ def call_profiles(raw: Mapping[str, list[Clocks]], names: Sequence[str]) -> dict
     return profiles
 
 
-def call_timer(device: DeviceInfo, flush_l2: bool = True) -> _CudaCallTimer | _HostCallTimer:
-    """How this engine times one call on `device`; the judge's workers use it too."""
-    return _CudaCallTimer(device, flush_l2) if device.is_cuda else _HostCallTimer()
+def call_timer(device: DeviceInfo, flush_l2: bool = True, synced: bool = False) -> _CudaCallTimer | _HostCallTimer:
+    """How this engine times one call on `device`. `synced` (the judge's workers): the host
+    waits for the GPU's rest to end before the start event, so the device's clock holds the
+    call's launches as well as its kernels, and the host's own clock, which the candidate's
+    process could forge, decides nothing."""
+    return _CudaCallTimer(device, flush_l2, synced) if device.is_cuda else _HostCallTimer()
 
 
 def null_call(_inputs: InputSet) -> None:
@@ -379,8 +384,9 @@ def null_call(_inputs: InputSet) -> None:
 
 
 class _CudaCallTimer:
-    def __init__(self, device: DeviceInfo, flush_l2: bool):
+    def __init__(self, device: DeviceInfo, flush_l2: bool, synced: bool = False):
         self.device = device.torch_device
+        self.synced = synced
         self.flush_bytes = 4 * (device.cache_bytes or 64 << 20) if flush_l2 else 0
         self.flush_buffer = (
             torch.zeros(self.flush_bytes // 4, dtype=torch.int32, device=self.device) if flush_l2 else None
@@ -419,6 +425,8 @@ class _CudaCallTimer:
             torch.sum(self.flush_buffer, dim=0, dtype=torch.int64, out=self.flush_sink)
         if self.cover_cycles:
             torch.cuda._sleep(self.cover_cycles)
+        if self.synced:
+            torch.cuda.synchronize(self.device)
         self.start.record()
         begin = time.perf_counter_ns()
         output = fn(inputs)
