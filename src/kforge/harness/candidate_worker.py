@@ -13,7 +13,6 @@ Commands (JSON lines; judge.py sends them):
     load      import the candidate, build ModelNew under the reference's init seed
     call      one untimed call on the current inputs; outputs into the mailbox (gate 1)
     warm      untimed calls until warm (compilation and autotuning happen here)
-    set_cover the GPU sleep before each timed call (the judge sizes it from the reference)
     time      one timed call; its clocks, then its outputs into the mailbox
 """
 
@@ -56,7 +55,7 @@ class CandidateWorker:
         self.candidate = load_candidate(self.job["candidate"])
         init = clone_arguments(rebuild(self.job["init"], self.arena))  # its own copies, not the arena's
         self.model = self.candidate.build(init, self.job["init_seed"], self.dev)
-        self.timer = call_timer(self.device, self.job["flush_l2"], synced=True)
+        self.timer = call_timer(self.device, flush_l2=False, synced=True)  # the judge flushes (judge.Judge._rest)
         return {}
 
     def _run(self):
@@ -78,10 +77,6 @@ class CandidateWorker:
                     started = time.perf_counter()
                 elif (count >= min_calls and time.perf_counter() - started >= seconds) or count >= 1000:
                     return {"calls": count}
-
-    def set_cover(self, ms: float) -> dict:
-        self.timer.set_cover(ms)
-        return {}
 
     def time(self) -> dict:
         with torch.no_grad():
@@ -136,7 +131,7 @@ def main() -> int:
     def bound(name):
         return lambda **fields: getattr(worker, name)(**fields)
 
-    serve(end, {"setup": setup, **{name: bound(name) for name in ("load", "call", "warm", "set_cover", "time")}},
+    serve(end, {"setup": setup, **{name: bound(name) for name in ("load", "call", "warm", "time")}},
           error_reply)
     return 0
 

@@ -66,6 +66,10 @@ class Channel:
             raise ChannelError("malformed", f"the {self.name} worker sent {type(message).__name__}, not an object")
         return message
 
+    def pending(self) -> bool:
+        """Whether anything arrived that no command asked for yet."""
+        return bool(self.buffer) or bool(select.select([self.read_fd], [], [], 0)[0])
+
     def request(self, message: dict, deadline: float) -> dict:
         self.send(message)
         return self.receive(deadline)

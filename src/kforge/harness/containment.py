@@ -1,22 +1,23 @@
 """OS-level containment of the worker that runs untrusted candidate code.
 
-The judge (the process that starts workers) and the worker (the process that loads a
-candidate) use these primitives so that whatever the candidate starts can be found and
-killed, and so that it cannot write outside its folders or reach into the judge.
+The warden (warden.py: the parent of the candidate's worker) and the worker use these
+primitives so that whatever the candidate starts can be found and killed, and so that it
+cannot write outside its folders or reach into the judge; the judge walks the tree with
+`descendants` to stop it between calls.
 
-    become_subreaper  judge   orphans of the worker (a daemon made with setsid + fork) are
-                              re-parented to the judge instead of init, so kill_tree still
-                              finds them. They become the judge's zombies: kill_tree reaps
+    become_subreaper  warden  orphans of the worker (a daemon made with setsid + fork) are
+                              re-parented to the warden instead of init, so kill_tree still
+                              finds them. They become the warden's zombies: kill_tree reaps
                               those it kills.
-    make_undumpable   judge   processes of the same user without CAP_SYS_PTRACE can neither
-                              ptrace the judge nor read its memory through /proc. A root
+    make_undumpable   warden, processes of the same user without CAP_SYS_PTRACE can neither
+                      reference  ptrace it nor read its memory through /proc. A root
                               worker keeps CAP_SYS_PTRACE: only confine() stops that one.
-    die_with_parent   worker  the kernel SIGKILLs the worker when the judge's *thread* that
-                              started it exits (start workers from a thread that outlives
-                              them). Not inherited by the worker's own children.
+    die_with_parent   worker  the kernel SIGKILLs the worker when the *thread* that started
+                              it exits (start workers from a thread that outlives them). Not
+                              inherited by the worker's own children.
     descendants       judge   every live process below a pid, read from /proc.
-    kill_tree         judge   SIGKILL a worker, everything below it and (as a subreaper)
-                              every orphan re-parented to the judge, until none is left.
+    kill_tree         warden  SIGKILL the worker, everything below it and (as a subreaper)
+                              every orphan re-parented to the warden, until none is left.
     confine           worker  no_new_privs and a Landlock domain on itself and all it starts:
                               - creating, writing, truncating, removing, renaming, linking
                                 only beneath the folders (or files) it is given; device

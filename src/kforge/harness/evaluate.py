@@ -12,8 +12,10 @@ before the candidate is imported and checked after each stage; threads it starts
 watched; freed reference outputs are poisoned. The seed is secret and random per run
 unless given; it is recorded afterwards so a run can be reproduced.
 
-This runs in the caller's process. isolation.py runs it in a fresh worker process per
-candidate, with time limits, which is what the CLI does. Nothing here prints.
+This runs in the caller's process, the candidate with it: for kforge's own kernels (the
+benchmarks, the ladder) and for a debugger (`kforge eval --in-process`). What the CLI runs
+for a candidate is judge.py, which keeps the candidate's code out of the judge's
+processes. Nothing here prints.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kforge.harness import containment
@@ -47,12 +47,12 @@ from kforge.harness.evaluate import (STATUS_OF_DEFENCE, derive_seed, gate2_field
 from kforge.harness.record import EvalRecord
 from kforge.harness.roofline import Ceilings, get_ceilings, roofline_for
 from kforge.harness.shared import scratch_root
-from kforge.harness.timing import (MIN_COVER_MS, Clocks, StopRule, TimingConfig, TimingRun, TimingStats,
-                                   call_profiles, per_call_ms, sync_costs)
+from kforge.harness.timing import (Clocks, StopRule, TimingConfig, TimingRun, TimingStats, call_profiles,
+                                   per_call_ms, sync_costs)
 
 LOG_TAIL = 4000  # characters of a worker's output kept in a crash record
 HARNESS = Path(__file__).resolve().parent
-MAX_COVER_MS = 20.0
+WARDEN_WAIT_S = 30.0  # to start the candidate's worker, or to kill and reap its tree
 
 
 @dataclass
@@ -148,6 +148,7 @@ class Judge:
         self.defences: list[str] = []
         self.hello: dict = {}
         self.reference = self.warden = self.worker = self.gate1 = None
+        self._probe_tensor = self._rest_timer = None  # the judge's own CUDA context, on a GPU
         self.scratch = Path(tempfile.mkdtemp(prefix="kforge-", dir=scratch_root()))
         # The arena's file (used on a CPU) exists before either worker starts, in a folder the
         # candidate cannot write: it can write the file's bytes, never swap it for a link.
@@ -189,7 +190,7 @@ class Judge:
         gate1 = self.gate1 = self._gate1()
         self._check_reference_state()
         if not gate1["passed"]:
-            fired = {"output_type": "plain_tensor", "mutated_inputs": "input_clones",
+            fired = {"output_type": "plain_tensor", "mutated_inputs": "input_clones", "poison": "poison",
                      "late_output": "late_output"}.get(gate1["failure"])
             raise Ended("incorrect", f"gate 1 failed: {gate1['reason']}", gate1=gate1,
                         defences=(fired,) if fired else ())
@@ -198,12 +199,16 @@ class Judge:
         run, gaps, check = self._gate2()
         self._check_reference_state()
         claimed = run.stats["candidate"].median_ms
+        if claimed <= 0:
+            raise Ended("rejected", "the candidate's worker claimed calls that took no time: its timings were forged",
+                        defences=("timing_claims",))
         excess, allowed = check.excess_ms(gaps, claimed)
         claims = {"median_gap_ms": {name: statistics.median(g) for name, g in gaps.items()},
                   "excess_ms": excess, "allowed_ms": allowed}
-        if excess > allowed:
-            raise Ended("rejected", f"the candidate's worker claimed calls {excess:.3g} ms shorter than the judge's "
-                                    f"own clock allows (more than {allowed:.3g} ms): its timings were forged",
+        if abs(excess) > allowed:
+            direction = "shorter" if excess > 0 else "longer"
+            raise Ended("rejected", f"the candidate's worker claimed calls {abs(excess):.3g} ms {direction} than the "
+                                    f"judge's own clock allows (more than {allowed:.3g} ms): its timings were forged",
                         gate1=gate1, gate2=gate2_fields("rejected", run, claims=claims), defences=("timing_claims",))
 
         ceilings = self.ceilings or get_ceilings(self._device_info())
@@ -240,11 +245,12 @@ class Judge:
         warm = self._ask_reference({"op": "warm", "min_calls": config.min_warmup_calls, "seconds": config.warmup_s})
         cand_warm = self._ask_candidate({"op": "warm", "min_calls": config.min_warmup_calls,
                                          "seconds": config.warmup_s})
-        # The GPU's rest before each call is sized from the reference alone.
-        cover = min(max(2 * _number(warm.get("host_ms")), MIN_COVER_MS), MAX_COVER_MS)
-        cover = self._ask_reference({"op": "set_cover", "ms": cover}).get("cover_ms")
-        if cover is not None:
-            self._ask_candidate({"op": "set_cover", "ms": cover})
+        # The GPU's rest before each call is sized from the reference alone, and queued
+        # from the judge's own process, with the L2 flush: neither can be skipped.
+        cover = None
+        if self._rest_timer is not None:
+            self._rest_timer.set_cover(2 * _number(warm.get("host_ms")))
+            cover = self._rest_timer.cover_ms
 
         names = ["reference", "candidate"]
         raw: dict[str, list[Clocks]] = {"reference": [], "candidate": [], "null": []}
@@ -258,10 +264,10 @@ class Judge:
             claims = None
             for name in order:
                 if name == "candidate":
-                    reply = self._ask_candidate({"op": "time"})
+                    reply = self._ask_candidate({"op": "time"}, timed=True)
                     claims = _claims(reply)
                 else:
-                    reply = self._ask_reference({"op": "time", "null": name == "null"}, probe=name != "null")
+                    reply = self._ask_reference({"op": "time", "null": name == "null"}, timed=name != "null")
                 clocks = _clocks(reply.get("clocks"), name)
                 if name == "candidate" and max(clocks) <= 0:
                     raise Ended("rejected", "the candidate's worker claimed a call that took no time: its timings "
@@ -286,11 +292,12 @@ class Judge:
         run = TimingRun(
             stats={name: TimingStats.from_samples(per_call[name]) for name in names},
             clock="cuda_events" if cuda else "host", rounds=rounds, stop_reason=stop_reason, pool_sets=1,
-            pool_bytes=0, flush_bytes=4 * (self._device_info().cache_bytes or 0) if cuda and config.flush_l2 else 0,
+            pool_bytes=0, flush_bytes=self._rest_timer.flush_bytes if cuda else 0,
             cover_ms=cover, rechecked_rounds=rechecked,
             sync_overhead_ms=statistics.median(sync_costs(raw)) if cuda else None,
             profile=call_profiles(raw, names),
-            warmup_calls={"reference": warm.get("calls"), "candidate": cand_warm.get("calls")},
+            warmup_calls={"reference": int(_number(warm.get("calls"))),
+                          "candidate": int(_number(cand_warm.get("calls")))},
             wall_s=time.perf_counter() - t0,
         )
         return run, gaps, ClaimsCheck.for_device(cuda)
@@ -303,13 +310,13 @@ class Judge:
         if self.on_stage:
             self.on_stage(stage)
 
-    def _ask_reference(self, message: dict, probe: bool = False) -> dict:
+    def _ask_reference(self, message: dict, timed: bool = False) -> dict:
         try:
-            if probe:
-                self._probe()  # as before the candidate's calls: the switch to this context costs the same
+            if timed:
+                self._rest()
             started = time.perf_counter()
             reply = self.reference.channel.request(message, self.deadline)
-            if probe:
+            if timed:
                 self._probe()
             self.wall_ms = (time.perf_counter() - started) * 1e3
         except ChannelError as exc:
@@ -324,15 +331,18 @@ class Judge:
             raise Ended(error["kind"], error["reason"], details=error.get("details"))
         return reply
 
-    def _ask_candidate(self, message: dict) -> dict:
+    def _ask_candidate(self, message: dict, timed: bool = False) -> dict:
         """Wake the candidate's tree, ask, stop the tree the moment it replies, then wait for
         the GPU: nothing of it runs between its reply and its next command, and whatever it
         left queued on the GPU finishes inside the judge's clock."""
         tree = self._candidate_tree()
-        containment.signal_all(tree, signal.SIGCONT)
         try:
-            self._probe()  # the GPU was last the judge's, before either worker's timed call
+            self._rest() if timed else self._probe()
+            if self.worker.channel.pending():
+                raise Ended("crash", f"the candidate's worker replied to {message['op']!r} before it was asked: "
+                                     "something of it ran while it was stopped")
             started = time.perf_counter()
+            containment.signal_all(tree, signal.SIGCONT)
             reply = self.worker.channel.request(message, self.deadline)
             containment.signal_all(tree, signal.SIGSTOP)
             self._probe()
@@ -340,7 +350,7 @@ class Judge:
         except ChannelError as exc:
             raise self._candidate_failed(exc) from None
         finally:  # and whatever it started during the call
-            containment.signal_all(self._candidate_tree(), signal.SIGSTOP)
+            self._stop_candidate()
         if "error" in reply:
             self._raise_candidate_error(reply["error"])
         return reply
@@ -371,13 +381,32 @@ class Judge:
             return []
         return containment.descendants(self.warden.pid)
 
+    def _stop_candidate(self) -> None:
+        """SIGSTOP the candidate's whole tree, walking it again until no new process shows up
+        (a process that forks while it is walked)."""
+        stopped: set[int] = set()
+        for _ in range(20):
+            new = [pid for pid in self._candidate_tree() if pid not in stopped]
+            if not new:
+                return
+            containment.signal_all(new, signal.SIGSTOP)
+            stopped.update(new)
+
     def _limit(self) -> float:
         return self.limits.for_stage(self.stage, self.timing)
+
+    def _rest(self) -> None:
+        """Before a timed call of either worker, from the judge's own CUDA context: flush the
+        L2, let the GPU rest, wait for both. The GPU was last the judge's before every call."""
+        if self._rest_timer is not None:
+            with self._torch.cuda.device(self._probe_tensor.device):
+                self._rest_timer.rest()
+        self._probe()
 
     def _probe(self) -> None:
         """Wait until the GPU has finished everything queued on it, by any process: work in
         another process's context keeps this one's kernel waiting (up to a time slice)."""
-        if getattr(self, "_probe_tensor", None) is not None:
+        if self._probe_tensor is not None:
             self._probe_tensor.add_(1)
             self._torch.cuda.synchronize(self._probe_tensor.device)
 
@@ -407,7 +436,7 @@ class Judge:
         device_kind = "cuda" if _cuda_available() else "cpu"
         job = dict(problem=str(self.problem), size=self.size or ("full" if device_kind == "cuda" else "auto"),
                    device=device_kind, baseline=self.baseline, arena_file=str(self.arena_file),
-                   flush_l2=self.timing.flush_l2, command_fd=command_fd, reply_fd=reply_fd)
+                   command_fd=command_fd, reply_fd=reply_fd)
         with open(log, "wb") as out:
             process = subprocess.Popen([sys.executable, "-m", "kforge.harness.reference_worker"],
                                        stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
@@ -428,8 +457,14 @@ class Judge:
         if self.hello["device"]["kind"] == "cuda":
             import torch
 
+            from kforge.device import DeviceInfo
+            from kforge.harness.timing import call_timer
+
             self._torch = torch
             self._probe_tensor = torch.zeros(1, device=torch.device("cuda", self.gpu or 0))
+            mine = DeviceInfo(**{**self.hello["device"], "index": self.gpu or 0})
+            with torch.cuda.device(mine.torch_device):  # its sleeps run on the current device
+                self._rest_timer = call_timer(mine, self.timing.flush_l2)
 
     def _start_candidate(self) -> _Worker:
         channel, command_fd, reply_fd = self._pipes()
@@ -461,9 +496,13 @@ class Judge:
                                        start_new_session=True)
         os.close(command_fd)
         os.close(reply_fd)
-        self.warden.stdin.write((json.dumps(warden_job) + "\n").encode())
-        self.warden.stdin.flush()
-        spawned = json.loads(self.warden.stdout.readline() or "{}")
+        # The warden is kforge's own code, but it is read with a deadline like any worker.
+        self.warden_channel = Channel(self.warden.stdout.fileno(), self.warden.stdin.fileno(), "warden")
+        try:
+            self.warden_channel.send(warden_job)
+            spawned = self.warden_channel.receive(time.monotonic() + WARDEN_WAIT_S)
+        except ChannelError as exc:
+            raise Ended("crash", f"the candidate's worker could not be started: {exc.reason}") from None
         self.confinement = spawned.get("confinement") or None
         missing = containment.Confinement(**self.confinement).missing() if self.confinement else ["everything"]
         if missing:
@@ -477,12 +516,12 @@ class Judge:
         except ChannelError as exc:
             raise self._candidate_failed(exc) from None
         finally:
-            containment.signal_all(self._candidate_tree(), signal.SIGSTOP)
+            self._stop_candidate()
 
     def _candidate_job(self, setup: dict) -> dict:
         return dict(candidate=str(self.candidate), device=self.hello["device"]["kind"], arena=setup["arena"],
                     init=setup["init"], inputs=setup["inputs"], mailbox=setup["mailbox"],
-                    init_seed=derive_seed(self.seed, "init"), flush_l2=self.timing.flush_l2,
+                    init_seed=derive_seed(self.seed, "init"),
                     forbidden_ops=setup["forbidden_ops"])
 
     def _kill_candidate(self) -> int | None:
@@ -490,10 +529,9 @@ class Judge:
         if self.warden is None or self.warden.poll() is not None:
             return None
         try:
-            self.warden.stdin.write(b"kill\n")
-            self.warden.stdin.flush()
-            reply = json.loads(self.warden.stdout.readline() or "{}")
-        except (OSError, ValueError):
+            reply = self.warden_channel.request({"op": "kill"}, time.monotonic() + WARDEN_WAIT_S)
+        except ChannelError:
+            self.warden.kill()  # its worker dies with it (PR_SET_PDEATHSIG)
             return None
         self.survivors = reply.get("survivors") or []
         return reply.get("exit")

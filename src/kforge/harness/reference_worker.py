@@ -16,7 +16,7 @@ Commands (JSON lines; see judge.py for the order they come in):
     draw      a fresh input set: the candidate's copy into the arena, poisoned mailbox
     reference run the reference on its own copy (gate 1)
     compare   the candidate's claimed outputs and the mailbox against the reference's
-    warm      warm the reference up; its host time sets the GPU sleep before each call
+    warm      warm the reference up; its host time sizes the GPU's rest before each call
     time      one timed call of the reference, or of nothing ("null")
     state     the fingerprint, compared with the one taken at setup
 """
@@ -84,7 +84,7 @@ class ReferenceWorker:
 
         flops = problem.count_flops(probe_inputs)
         nbytes = problem.count_bytes(probe_inputs, probe_out, model)
-        self.timer = call_timer(self.device, job["flush_l2"], synced=True)
+        self.timer = call_timer(self.device, flush_l2=False, synced=True)  # the judge flushes (judge.Judge._rest)
         self.fingerprint = self._fingerprint()
         return dict(
             problem={"name": problem.name, "size": problem.size, "tags": problem.tags},
@@ -150,10 +150,6 @@ class ReferenceWorker:
                     break
         self.mine = clone_arguments(self.pristine)
         return {"calls": count, "host_ms": statistics.median(host_ms[1:] or host_ms)}
-
-    def set_cover(self, ms: float) -> dict:
-        self.timer.set_cover(ms)
-        return {"cover_ms": self.timer.cover_ms}
 
     def time(self, null: bool = False) -> dict:
         with torch.no_grad():
@@ -243,7 +239,7 @@ def main() -> int:
             mend_interpreter()
     end.reply(hello={"device": worker.device.to_dict(), "versions": library_versions()})
     serve(end, {name: getattr(worker, name) for name in
-                ("setup", "draw", "reference", "compare", "warm", "set_cover", "time", "state")}, error_reply)
+                ("setup", "draw", "reference", "compare", "warm", "time", "state")}, error_reply)
     return 0
 
 

@@ -2,7 +2,7 @@
 
 The reference worker owns one block of memory (the arena) and lends it to the
 candidate's worker: on a GPU one CUDA allocation opened through CUDA IPC, on a CPU one
-file on tmpfs mapped by both. Every tensor that crosses between them is a view into the
+file (which the judge creates in its scratch folder) mapped by both. Every tensor that crosses between them is a view into the
 arena at a known offset, described in JSON by a TensorSpec. Nothing the candidate's
 process sends is unpickled or executed: a spec is numbers and a dtype name, and the
 arena's bounds are checked before any view is made.
@@ -121,6 +121,10 @@ class Arena:
         judge created empty (opened without following links, sized here)."""
         nbytes = max(nbytes, ALIGN)
         if device.type == "cuda":
+            # CUDA IPC opens the allocator's whole segment: an emptied cache and a size in
+            # its 2 MiB granules make the arena a segment of its own (docs/harness.md).
+            torch.cuda.empty_cache()
+            nbytes = math.ceil(nbytes / (2 << 20)) * (2 << 20)
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
             fields = buffer.untyped_storage()._share_cuda_()
             handle = {"kind": "cuda_ipc", "nbytes": nbytes,
@@ -220,7 +224,10 @@ def digest(t: torch.Tensor) -> int:
     means knowing the output's sum, i.e. having computed the output."""
     if t.numel() == 0:
         return 0
-    return int(torch.sum(t.reshape(-1).view(_INT_OF_SIZE[t.element_size()]), dtype=torch.int64))
+    flat = t.reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    return int(torch.sum(flat.view(_INT_OF_SIZE[flat.element_size()]), dtype=torch.int64))
 
 
 def scratch_root() -> Path:

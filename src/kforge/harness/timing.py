@@ -372,9 +372,10 @@ def call_profiles(raw: Mapping[str, list[Clocks]], names: Sequence[str]) -> dict
 
 def call_timer(device: DeviceInfo, flush_l2: bool = True, synced: bool = False) -> _CudaCallTimer | _HostCallTimer:
     """How this engine times one call on `device`. `synced` (the judge's workers): the host
-    waits for the GPU's rest to end before the start event, so the device's clock holds the
-    call's launches as well as its kernels, and the host's own clock, which the candidate's
-    process could forge, decides nothing."""
+    waits for the GPU before the start event, so the device's clock holds the call's
+    launches as well as its kernels, and the host's own clock, which the candidate's
+    process could forge, decides nothing. The judge's workers neither flush nor sleep:
+    the judge does both from its own process before each of their calls (`rest`)."""
     return _CudaCallTimer(device, flush_l2, synced) if device.is_cuda else _HostCallTimer()
 
 
@@ -420,12 +421,19 @@ class _CudaCallTimer:
         torch.cuda.synchronize(self.device)
         return host_ms
 
-    def time_call(self, fn: TimedFn, inputs: InputSet) -> tuple[Clocks, object]:
+    def rest(self) -> None:
+        """Queue what comes before every timed call: the L2 flush, then the GPU's sleep."""
         if self.flush_buffer is not None:  # read it all: L2 is left holding clean lines only
             torch.sum(self.flush_buffer, dim=0, dtype=torch.int64, out=self.flush_sink)
         if self.cover_cycles:
             torch.cuda._sleep(self.cover_cycles)
+
+    def time_call(self, fn: TimedFn, inputs: InputSet) -> tuple[Clocks, object]:
+        self.rest()
         if self.synced:
+            # One kernel first: a switch from another process's CUDA context lands here,
+            # before the window; then the host waits for the GPU.
+            self.flush_sink.zero_()
             torch.cuda.synchronize(self.device)
         self.start.record()
         begin = time.perf_counter_ns()
@@ -442,6 +450,9 @@ class _CudaCallTimer:
 class _HostCallTimer:
     flush_bytes = 0
     cover_ms = None
+
+    def rest(self) -> None:
+        pass  # no cache is flushed on a CPU
 
     def set_cover(self, host_ms: float) -> None:
         pass  # nothing runs ahead of the host on a CPU

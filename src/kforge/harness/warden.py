@@ -12,7 +12,7 @@ holds nothing worth attacking.
 
 Job (first line on stdin, JSON): argv, env, writable, pass_fds, log (the worker's stdout
 and stderr). Replies on stdout: {"spawned": pid, "confinement": {...}} once, then
-{"survivors": [...], "exit": status} after each "kill".
+{"survivors": [...], "exit": status} after each {"op": "kill"}.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main() -> int:
     reply({"spawned": worker.pid, "confinement": confinement})
 
     for line in sys.stdin:
-        if line.strip() == "kill":
+        if json.loads(line).get("op") == "kill":
             survivors = containment.kill_tree(worker.pid)
             reply({"survivors": survivors, "exit": worker.wait()})
     containment.kill_tree(worker.pid)
