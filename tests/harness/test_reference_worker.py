@@ -1,0 +1,52 @@
+"""The reference worker's fingerprint of its own state: what the judge checks after every stage."""
+
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from conftest import FIXTURES
+from kforge.harness.reference_worker import ReferenceWorker
+
+
+class Passthrough(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def worker(tmp_path) -> ReferenceWorker:
+    arena = tmp_path / "arena"
+    arena.touch()
+    ref = ReferenceWorker({"problem": str(FIXTURES / "problems" / "linear.py"), "size": "auto", "device": "cpu",
+                           "baseline": "eager", "arena_file": str(arena)})
+    ref.setup(init_seed=1, probe_seed=2)
+    return ref
+
+
+def test_an_untouched_reference_keeps_its_fingerprint(tmp_path):
+    ref = worker(tmp_path)
+    ref.draw(seed=3)
+    ref.reference()
+    assert ref.state() == {"changed": []}
+
+
+def test_zeroed_weights_a_mode_a_hook_or_a_flag_change_the_fingerprint(tmp_path):
+    ref = worker(tmp_path)
+    with torch.no_grad():
+        next(ref.model.parameters()).zero_()
+    assert ref.state()["changed"] == ["parameters"]
+
+    ref = worker(tmp_path)
+    with Passthrough():
+        assert ref.state()["changed"] == ["torch_function_modes"]
+    sys.setprofile(lambda *a: None)
+    try:
+        assert ref.state()["changed"] == ["profile_hook"]
+    finally:
+        sys.setprofile(None)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert ref.state()["changed"] == ["default_dtype"]
+    finally:
+        torch.set_default_dtype(default)
