@@ -15,6 +15,11 @@ TRITON_INTERPRET=1 (unless you set it yourself) before anything imports Triton.
   decoder block's dozen kernels that bias reached 0.05 of outputs the GPU gets right.
 Elementwise bf16 arithmetic inside a kernel is still wrong under the interpreter: upcast
 to fp32 before doing math, as kernels should anyway.
+
+`mend_scalar_index()` mends a third, in triton < 3.7 under numpy >= 2.3 only: a scalar
+argument used as a loop bound (`for k in range(0, K, BK)`) fails with "only 0-dimensional
+arrays can be converted to Python scalars". It is applied when kforge is imported, so that
+kforge needs no pin on numpy; triton 3.7 has the fix itself.
 """
 
 from __future__ import annotations
@@ -24,16 +29,58 @@ import sys
 
 _MENDED = False
 _CASTS_MENDED = False
+_INDEX_MENDED = False
 
 
 def choose_triton_mode() -> None:
-    """Interpret Triton kernels where there is no CUDA device (call before importing Triton)."""
-    if "TRITON_INTERPRET" in os.environ or "triton" in sys.modules:
-        return
-    import torch
+    """Interpret Triton kernels where there is no CUDA device (call before importing Triton),
+    and then mend the interpreter's loop bounds where this triton and numpy need it."""
+    if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules:
+        import torch
 
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    if interpreter_active() and scalar_index_needs_mending():
+        mend_scalar_index()
+
+
+def scalar_index_needs_mending() -> bool:
+    """Whether this triton (< 3.7) and numpy (>= 2.3) break `range(0, K, ...)` in the interpreter.
+    Read from the installed versions, so that a process that needs no mend imports no triton."""
+    import re
+    from importlib import metadata
+
+    def major_minor(name: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in re.findall(r"\d+", metadata.version(name))[:2])
+        except (metadata.PackageNotFoundError, ValueError):
+            return ()
+
+    triton, numpy = major_minor("triton"), major_minor("numpy")
+    return bool(triton) and bool(numpy) and triton < (3, 7) and numpy >= (2, 3)
+
+
+def mend_scalar_index() -> None:
+    """Scalar arguments are 1-element arrays in the interpreter, and its `__index__` converts
+    them with int(array), which numpy 2.3 refuses for arrays of one dimension: convert the
+    squeezed (0-d) array instead. Patched where the interpreter patches tensors for a run."""
+    global _INDEX_MENDED
+    if _INDEX_MENDED:
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None:
+        return  # a Triton whose interpreter differs; leave it as it is
+
+    def patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    _INDEX_MENDED = True
 
 
 def interpreter_active() -> bool:
@@ -105,6 +152,9 @@ def mend_bf16_casts() -> None:
 
 
 def mend_interpreter() -> None:
-    """Both mends: what evaluate() applies before running kernels on a CPU."""
+    """The bf16 mends (and the loop-bound one where needed): what evaluate() applies before
+    running kernels on a CPU."""
     mend_bf16_dot()
     mend_bf16_casts()
+    if scalar_index_needs_mending():
+        mend_scalar_index()
