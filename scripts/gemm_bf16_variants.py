@@ -10,12 +10,11 @@ split-K variant. SET "epilogue": rung 4 against its epilogue variants (two slice
 a whole-tile buffer at 3 stages) and rung 6 (ping-pong) at large squares and LLM shapes.
 SET "shortk": rungs 4, 5, 6 and 128 x 128 tiles on the GEMMs of GPT-2 small and ViT-L
 (K 768-4096, the LM head's N 50304), where the epilogue weighs most. SET "tiles": 128 x 256
-(rungs 4, 5) against 256 x 128 (cuBLAS's tile at 4096^3), at squares and an LLM shape. SET "spread": rung 4 (since
-session 12 its epilogue overlaps the next tile's k-loop) against its epilogue after the k-loop
-as before, and against storing a slice every k-tile or every 4 instead of every 2. SET "llm":
+(rungs 4, 5) against 256 x 128 (cuBLAS's tile at 4096^3), at squares and an LLM shape. SET "spread": rung 4 (its
+epilogue overlaps the next tile's k-loop) against its epilogue after the k-loop, and against storing a slice every k-tile or every 4 instead of every 2. SET "llm":
 rungs 4 and 5 on the M = 4096 Llama-3 8B and 70B projections of `kforge bench gemm`. SET
 "narrow": rung 4 on 128 x 256 and 128 x 192 tiles and rung 6 at 512-2048 rows, where 128 x 256
-tiles leave SMs idle (what cuBLAS chooses there: 192 x 128, notes/2026-11-26-session13).
+tiles leave SMs idle (what cuBLAS chooses there: 192 x 128, by ncu).
 """
 
 import sys

@@ -93,7 +93,7 @@ def test_norm_a_builds_compile_without_spills_or_serialized_wgmmas():
             assert re.search(rf"HGMMA\.64x{width}x16\.F32\.BF16 R\d+, R\d+, gdesc", code), "A from registers"
             assert "C7513" not in cubin.ptxas_log, "ptxas serialized the wgmmas"
             # gamma arrives with each stage and is read with LDS: a global or generic load in the
-            # consumers' loop (session 12's build) cost 8% (benchmarks/notes/2026-11-26-session13)
+            # consumers' loop cost 8% (docs/worklogs/serving.md)
             assert re.search(r"\bLDS\b", code) and not re.search(r"\bLDG\.|\bLD\.E\b", code), (number, b_kmajor)
 
 

@@ -15,16 +15,15 @@ import torch
 
 
 def best_kernel(m: int, n: int, k: int, sms: int = 132) -> tuple[int, dict[str, int]]:
-    """Which rung and variant for an M x N x K product on `sms` SMs, from the H100 tables of
-    benchmarks/notes/2026-11-26-session12 (variants-6-spread.txt, variants-6-shortk.txt,
-    variants-7-llm.txt: device time against cuBLAS in the same run), after rung 4's epilogue
-    moved under the next tile's k-loop:
+    """Which rung and variant for an M x N x K product on `sms` SMs, from H100 device time
+    against cuBLAS in the same run (scripts/gemm_bf16_variants.py; docs/worklogs/gemm-bf16.md),
+    with rung 4's epilogue under the next tile's k-loop:
 
     - 128 x 256 tiles leaving more than half the SMs idle (skinny M, 1024^3): rung 4's split-K
       variant cuts each 128 x 128 tile's K loop across the idle SMs.
     - 128 x 192 tiles filling the SMs at least 15% better than 128 x 256 (by the share of the
       last wave's SMs busy): rung 4 on 128 x 192 tiles, cuBLAS's own width at these shapes
-      (benchmarks/notes/2026-11-26-session14, gemm-bf16-narrow*.txt): 512 x 6144 x 4096 1.005x
+      (`gemm_bf16_variants.py narrow`): 512 x 6144 x 4096 1.005x
       cuBLAS against rung 6's 0.775x; 1024 x 6144 x 4096 1.017x against 0.948x; 768 x 4096 x 4096
       1.006x against 0.774x; 8192 x 768 x 3072 1.010x against 0.948x; 512 x 10240 x 8192 0.869x
       against 0.801x.
@@ -35,8 +34,8 @@ def best_kernel(m: int, n: int, k: int, sms: int = 132) -> tuple[int, dict[str, 
       clusters share each B panel (8192 x 50304 x 768: 1.065x against rung 4's 1.045x, two runs).
     - Otherwise rung 4, the 128 x 256 cooperative kernel: 1.006-1.009x at 4096^3, 1.03x at
       8192^3, 0.98-1.02x over the M = 4096 Llama-3 projections, where rung 5 is no faster
-      (0.99-1.02x). Short K went to rung 6 before the overlap; rung 4 now wins there too
-      (12608 x 3072 x 1024: 1.08x against 1.01x) but for 8192 x 2304 x 768 (1.03x against 1.07x)."""
+      (0.99-1.02x). At short K rung 4 also wins (12608 x 3072 x 1024: 1.08x against rung 6's
+      1.01x), except 8192 x 2304 x 768 (1.03x against 1.07x)."""
     from kforge.kernels.gemm_bf16 import NARROW_TILE, SPLIT_K_VARIANT, narrow_tile_fills_better, wave_fill
 
     tiles = -(-m // 128) * -(-n // 256)

@@ -5,7 +5,7 @@ Why: ptxas decides, per instruction, whether the warp scheduler may switch warps
 next instruction. Neither is reachable from CUDA C++ or PTX. In the block-scaled FP8 GEMM's
 promotion (`acc = p * factor + acc`, runs of 32 FFMAs on one factor) ptxas alternates them:
 every other FFMA yields, and the one after it reads the factor from the register file again.
-Measured on the H100 (benchmarks/notes/2026-11-26-session15): yielding at every 8th FFMA of
+Measured on the H100 (scripts/fp8_block_variants.py; docs/worklogs/quant.md): yielding at every 8th FFMA of
 a run and keeping the factor in the reuse cache between is 2.5-2.9% faster for the whole
 GEMM than ptxas's schedule; never yielding is 6% slower than ptxas's, yielding at every FFMA
 7%. DeepGEMM rewrites its FFMAs' yield and reuse bits too (the idea is theirs; this code and

@@ -5,15 +5,15 @@ rungs with the epilogue compiled in (`gemm_bf16.gemm`'s bias / activation / resi
 math on the fp32 accumulator, one rounding). Anything else (fp16, another GPU, the CPU
 under Triton's interpreter) takes the Triton kernel of `gemm_epilogue.py`, the same math.
 
-Which rung, from the H100 table `benchmarks/notes/2026-11-22-session7/fused-linear-bench-2.txt`
-(device time, against eager's F.linear then a second pass):
+Which rung, from H100 device time (`scripts/fused_linear_bench.py`, against eager's F.linear
+then a second pass):
 
     with an activation or a residual   rung 4: GELU layers 1.03x (16384 x 4096 x 4096) to
                                        1.22x (GPT-2's tanh-GELU c_fc) eager; the ping-pong
                                        rung 6 measured 0.94-1.12x there
     bias only                          `kforge.ops.matmul.best_kernel`'s pick for the shape
-                                       (rung 4 at short K since its epilogue runs under the
-                                       next tile's k-loop, 2026-11-26; rung 6 there before)
+                                       (rung 4 at short K, its epilogue running under the
+                                       next tile's k-loop)
 
 The residual epilogue reads its operand with plain loads inside the epilogue, which the
 mainloop does not hide: 0.73-0.95x eager where K is short (GPT-2's 768 x 768 projection).

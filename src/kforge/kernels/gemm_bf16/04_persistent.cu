@@ -6,69 +6,47 @@
 // into the next tile while the consumers finish this one: the ring's stage and phase
 // counters carry on across tiles, so there is no prologue bubble per tile. Results go
 // registers -> swizzled shared memory (conflict-free) -> one bulk tensor store per
-// 64 x 64 box, replacing rung 3's scattered 4-byte global stores. The tile leaves in
-// EPI_COLS-wide slices through small buffers, which leaves room for a 4th stage; with
-// EPI_BUFFERS 2 the slices alternate between two, so a slice waits only for the store two
-// slices back.
-// The epilogue overlaps the next tile (EPI_OVERLAP, session 12). scripts/gemm_timeline.py
-// (clock64 per CTA and tile at 4096^3) showed the k-loop at the tensor cores' peak (64 k-tiles
-// in 1.00x their 65.5K-cycle minimum) and the tile's stores costing 2.1K cycles with the
-// tensor cores idle, 3% of the kernel. Now a tile's results are rounded into 64 bf16-pair
-// registers as soon as its last wgmma is done, the next tile's wgmmas start, and one 64-column
-// slice is stored under every EPI_SPREAD-th (2nd) of its k-tiles, after that k-tile's wgmmas
-// are issued. A slice under every k-tile slowed the k-loop by 1-2% (the slices' shared-memory
-// writes and reads beside wgmma's operand reads); every 2nd kept it at 1.00x. Measured against
-// the epilogue after the k-loop (scripts/gemm_bf16_variants.py spread, 2026-11-26, x cuBLAS):
-// 4096^3 1.006-1.009x against 0.996-1.001x; 8192^3 1.034x against 1.026x; 8192 x 2304 x 768
-// 1.026x against 0.967x. Tried and not kept: 128-column slices (1.03-1.04x ideal k-loop);
-// each warp storing its own 16 rows without the warpgroup barrier (more, smaller TMA
-// stores: no faster). The k-loop itself builds no descriptors: stage 0's are offset by a
-// constant per stage and k-slice (97 -> 45 instructions a k-tile; 0 to +0.6%).
+// 64 x 64 box, in EPI_COLS-wide slices through small buffers (room for a 4th stage); the
+// buffer turn is counted across tiles, so a 192-wide tile's 3 slices never reuse a buffer
+// whose store is still reading it.
+// The epilogue overlaps the next tile (EPI_OVERLAP): a tile's results wait as 64 bf16-pair
+// registers, the next tile's wgmmas start, and one 64-column slice is stored under every
+// EPI_SPREAD-th (2nd) of its k-tiles. Why: the k-loop runs at the tensor cores' peak (64
+// k-tiles in 1.00x their 65.5K-cycle minimum, scripts/gemm_timeline.py on a TIMELINE build),
+// and stores after it left the tensor cores idle for ~2.1K cycles a tile (3% of the kernel);
+// a slice under every k-tile slowed the k-loop 1-2%, every 2nd keeps it at 1.00x. The k-loop
+// builds no descriptors: stage 0's are offset by a constant per stage and k-slice.
 // Also here, compiled out at CLUSTER_M 1: rung 5's thread-block clusters (see 05_clusters.cu).
-// Split-K, for shapes with fewer tiles than SMs (skinny M, or 1024^3: 32 tiles on 132 SMs):
-// compiled in with SPLIT_K 1 (its registers do not fit beside a 128 x 256 tile's
-// accumulators: use it with BN 128), then with `splits` > 1 a job is one K range of one tile. Each split leaves its fp32 partial in
-// a global workspace (only rows inside C), counts itself in on a per-tile counter, and the
-// last to arrive adds the others' partials in split order (the same sum whoever is last),
-// resets the counter for the next launch and stores the tile. No split ever waits.
+// SPLIT_K 1 (with BN 128: its registers do not fit beside a 128 x 256 tile's accumulators),
+// for shapes with fewer tiles than SMs: with `splits` > 1 a job is one K range of one tile.
+// Each split leaves its fp32 partial in a global workspace (only rows inside C), counts itself
+// in on a per-tile counter, and the last to arrive adds the partials in split order (the same
+// sum whoever is last), resets the counter and stores the tile. No split ever waits.
 // NORM_A 1 computes rmsnorm(A; gamma, eps) B without the normed rows ever existing: each consumer
 // loads its 64 A rows of a k-tile from shared memory into registers (ldmatrix: wgmma's register
 // fragment), multiplies them by gamma there, adds up the squares of x per row, and gives wgmma A
 // from registers; at the tile's end each row's 1/rms scales its accumulator row. The next k-tile's
-// fragments are prepared while this k-tile's wgmmas run, into a second register set. Each stage
-// brings its k-tile of gamma beside A and B (a 128-byte bulk copy on the same barrier), and the
-// squares are added after the k-tile's wgmmas are issued. Measured at M = 4096, N = 6144, K = 4096
-// (scripts/norm_qkv_variants.py, 2026-11-26, each step on its own machine): gamma by __ldg in the
-// k-loop 318 us, from the stage 293; squares after the wgmmas 290 (before them 299); gamma read
-// with ld.shared instead of generic loads 277, against the compiled norm + cuBLAS pair's 282 and
-// rung 4 without the norm at 258 (notes: benchmarks/notes/2026-11-26-session12 and -session13,
-// with the designs that lost: A rewritten in shared memory by the consumers, by producer warps or
-// by a warpgroup of its own; the squares on mma.sync; the squares held below the wgmmas by a branch).
+// fragments are prepared into a second register set while this k-tile's wgmmas run; each stage
+// brings its k-tile of gamma beside A and B (read with ld.shared), and the squares are added
+// after the k-tile's wgmmas are issued. At M 4096, N 6144, K 4096 this runs in 277 us against
+// the compiled norm + cuBLAS pair's 282 and this rung without the norm at 258.
 // A fused epilogue (EPI_BIAS, EPI_ACT, EPI_RESIDUAL) applies a bias, an activation and a
 // residual add to the fp32 accumulator slice by slice, just before it is rounded: what eager
 // PyTorch does in further passes over C costs here ALU time and the residual's read.
 // WG_ROWS 128 (with BM 256, BN 128) gives each consumer a 128 x 128 slab as two 64 x 128
-// accumulators, the same B slice multiplied by both halves of its A rows: cuBLAS's tile
-// shape at 4096^3 (ncu, 2026-11-22). Measured the same as 128 x 256 (0.974x against 0.976x
-// cuBLAS at 4096^3, 1.010x against 1.008x at 8192^3; scripts/gemm_bf16_variants.py tiles),
-// so the shape is not what cuBLAS's last 2% comes from.
+// accumulators: cuBLAS's tile shape at 4096^3. It measures the same as 128 x 256, so it is a
+// sweep variant only.
 // STREAM_K 1 shares the last, partial wave out evenly: every CTA takes an equal run of the
-// remaining tiles' k-tiles (at most the end of one tile and the start of the next), leaves an
-// fp32 partial for each tile it did not finish alone, and the last CTA to finish a tile adds
-// all of them up in CTA order (the same sum whoever is last) and stores it. Measured
-// (scripts/gemm_bf16_variants.py streamk, 2026-11-25, two runs): 1.016-1.034x cuBLAS at 8192^3
-// against 1.001-1.022x without (a 52%-full last wave), but 0.86x at 4096^3 and 0.71x at 4096 x 4096 x 8192: the
-// runs start at staggered k offsets (56 of 64 k-tiles each at 4096^3: 8 different phases),
-// so the CTAs that share an A or B panel no longer read it together and the tail streams
-// from HBM instead of L2. Kept as a sweep variant; `best_kernel` does not pick it.
-// Also tried at 4096^3 and measured no better (2026-11-25, notes/2026-11-25-session11): BK 32
-// with 8 stages (64-byte swizzle, a finer ring), 0.977x kn and 0.924x nk. (A deferred epilogue
-// measured no better then, 0.975x against 0.979x: its 64 generic 4-byte stores a slice, not
-// stmatrix, and all of them under the first k-tiles.)
-// Why: rung 3 paid a launch-sized pipeline fill and a global-store epilogue per tile,
+// remaining tiles' k-tiles, leaves an fp32 partial for each tile it did not finish alone, and
+// the last CTA to finish a tile adds them in CTA order and stores it. It wins at 8192^3 but
+// loses at 4096^3 (the runs start at staggered k offsets, so CTAs sharing a panel stop reading
+// it together and the tail streams from HBM): a sweep variant; `best_kernel` does not pick it.
+// Why this rung: rung 3 paid a launch-sized pipeline fill and a global-store epilogue per tile,
 // and its last wave left most SMs idle.
-// Predicted: parity with cuBLAS at 4096^3 and above. Measured (kforge ladder, 2026-11-26):
-// 1.007x cuBLAS at 4096^3, 1.019x at 8192^3.
+// Predicted: parity with cuBLAS at 4096^3 and above.
+// Measured (H100, kforge ladder; records in benchmarks/results/nvidia-h100-80gb-hbm3/
+// ladder-gemm-bf16-*.jsonl): 1.007x cuBLAS at 4096^3, 1.019x at 8192^3. History and the
+// variants that lost: docs/worklogs/gemm-bf16.md.
 #include "hopper.cuh"
 
 #ifndef BM

@@ -2,7 +2,7 @@
 // turns at the tensor cores, one's epilogue running under the other's mainloop.
 // What changed from rung 4: there, both consumers computed halves of one 128 x 256 tile,
 // so both reached the epilogue together and the tensor cores idled while the tile went
-// out through shared memory (session 5's profile: consumers waiting at barriers where
+// out through shared memory (an ncu profile showed consumers waiting at barriers where
 // cuBLAS's wait on wgmma). Here a CTA's jobs alternate between the consumers (its 0th,
 // 2nd, ... job to consumer 0, its 1st, 3rd, ... to consumer 1), each a BM x BN tile with
 // two 64-row accumulators (two m64 wgmmas per k-slice). The producer loads the jobs' k-tiles
@@ -16,13 +16,13 @@
 // the tensor cores idle; a fused epilogue (bias, an activation) only adds to that pause.
 // Predicted: the epilogue hidden; the cost is 128 x 128 tiles' arithmetic intensity (a third
 // more shared-memory and L2 traffic per FLOP than 128 x 256).
-// Measured (H100, 2026-11-22, scripts/gemm_bf16_variants.py 40 epilogue): slower than rung 4
-// everywhere, 0.92x cuBLAS at 4096^3 (rung 4 0.994x), 0.90-0.96x over LLM shapes. The
-// epilogue was not what held rung 4 back: rung 4 with two epilogue buffers (no wait inside a
-// tile) measured the same as with one, and rung 4 at 3 stages lost 4%. What matters is how far
-// ahead the loads run: 6 stages of a 128 x 128 tile hold 1.75 us of tensor-core work, rung 4's
-// 4 stages of 128 x 256 hold 2.3 us. A lesson kept on the ladder: ping-pong pays where the
-// epilogue is long (a fused activation) and the ring is deep enough; here neither.
+// Measured (H100, device time against cuBLAS, scripts/gemm_bf16_variants.py): the epilogue is
+// not what holds rung 4 back at 4096^3 (0.92x cuBLAS here, rung 4 0.99x; 6 stages of 128 x 128
+// hold 1.75 us of tensor-core work, rung 4's 4 stages of 128 x 256 hold 2.3 us). Its 128 x 128
+// tiles fill a ragged last wave better: 8192 x 768 x 3072 (1.45 waves of 128 x 256) at 0.95x
+// cuBLAS against rung 4's 0.80x, so `best_kernel` takes it where rung 4's last wave would be
+// under 3/4 full.
+// History: docs/worklogs/gemm-bf16.md.
 #include "hopper.cuh"
 
 #ifndef BM

@@ -130,7 +130,7 @@ SPLIT_K_VARIANT = {"BN": 128, "STAGES": 6, "EPI_COLS": 64, "EPI_BUFFERS": 1, "SP
 MIN_K_TILES_PER_SPLIT = 4  # below this a split's pipeline fill and its partial's round trip outweigh the work
 # Rung 4 with the last, partial wave of tiles shared out by k-tile across all CTAs.
 STREAM_K_VARIANT = {"STREAM_K": 1}
-# Rungs 4 and 5 with the epilogue after the k-loop (their default until 2026-11-26), not under the next tile's.
+# Rungs 4 and 5 with the epilogue after the k-loop, not under the next tile's (the variants' yardstick).
 EPILOGUE_AFTER_KLOOP = {"EPI_OVERLAP": 0, "EPI_COLS": 128, "EPI_BUFFERS": 1}
 # Rungs 4 and 5 with cuBLAS's tile at 4096^3 (ncu, 2026-11-22): 256 x 128, each consumer 128 rows.
 TALL_TILE = {"BM": 256, "BN": 128, "WG_ROWS": 128}

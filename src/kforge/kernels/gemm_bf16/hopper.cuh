@@ -312,7 +312,7 @@ __device__ __forceinline__ float activation(float x) {
 // instruction stores four 8 x 8 matrices, whose 8 rows land in 8 different 16-byte units, so
 // every matrix covers all 32 banks once. (4-byte stores through the generic address of the
 // hand-aligned buffer, ptxas's ST.E, took 4x the instructions; at 4096^3 stmatrix cut the
-// epilogue from ~2.3K to ~1.9K cycles a tile: benchmarks/notes/2026-11-26-session12.)
+// epilogue from ~2.3K to ~1.9K cycles a tile, measured with scripts/gemm_timeline.py.)
 // `first` must be a compile-time constant after unrolling (it indexes registers). On the
 // way, the fused epilogue: act(scale[row] value + bias[column]) + residual[row, column] in
 // fp32 (ROW_SCALE, BIAS, ACT, RESIDUAL; row0 and col0 are the 64-row slab's first row and

@@ -81,8 +81,8 @@ BEST = RUNGS[-1]  # the rung the bf16 ladder starts from and the tests launch by
 # each satisfying its kernel's static_asserts. Thread tile = (WM*WN) / (32 lanes) values;
 # MIN_BLOCKS caps registers so that many blocks fit on an SM; GROUP_M > 1 orders blocks
 # for L2 reuse; STAGES is rung 9's ring depth.
-# History on the H100 (2026-11-21, worklog in benchmarks/notes/2026-11-21-gemm-fp32/):
-# around rung 8, 8 x 16 per thread led at first (85.5%), BK = 16 added ~5% on 128 x 128,
+# Why these shapes (H100; docs/worklogs/gemm-fp32.md): around rung 8, 8 x 16 per thread led at
+# first (85.5%), BK = 16 added ~5% on 128 x 128,
 # GROUP_M did nothing at 4096; once rung 8 double-buffered its fragments, 16 warps of
 # 8 x 8 per thread at 128 x 256 x 16 led (86.5% of cuBLAS, 12 bytes spilled at its
 # 128-register cap). This sweep keeps that shape on rung 8 as the yardstick and explores

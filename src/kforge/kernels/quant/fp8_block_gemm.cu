@@ -14,7 +14,7 @@
 // torch._scaled_mm rowwise, 886 TFLOP/s at 4096 x 7168 x 16384). Here the two consumer
 // warpgroups run free of each other: while one promotes, the other's chain runs.
 // A second partial (block j+1's chain issued before block j is promoted) fits the registers only
-// at BN 128, and measured slower there than one partial (see the history below).
+// at BN 128, and measured slower there than one partial.
 //
 // Where the scales come from. The producer warpgroup's three idle warps load each K block's
 // sa for the tile's 128 rows and its sb, and store the products sa[row] * sb into the stage's
@@ -30,39 +30,19 @@
 // one 8 KB buffer a consumer. Registers: the producer warpgroup 56 (the loaders), the
 // consumers 224.
 //
-// Measured on the H100, scripts/fp8_block_variants.py, device time at 4096 x 7168 x 16384:
-// 2026-11-22: BN 256 with clusters of two, 1185-1209 TFLOP/s (0.85x torch._scaled_mm rowwise,
-// which promotes too); BN 256 alone 1149-1199; BN 128 990-1014; the Triton kernel 835-852.
-// Tried and dropped: a third consumer warpgroup (192 x 128 tiles at 160 registers: 942-1054).
-// ncu of BN 256: tensor pipe 68% of elapsed cycles; cuBLAS's rowwise kernel (128 x 128 x 128,
-// 6 stages, no cluster): 92%.
-// 2026-11-26 (session 13): the chain's descriptors are stage 0's plus constants: 1227 TFLOP/s
-// against rowwise's 1449, 0.85x. Not the bottleneck then: the consumers taking turns through
-// named barriers (1145 against 1181).
-// 2026-11-26 (session 14, benchmarks/notes/2026-11-26-session14): two partials at BN 128 with
-// clusters of two, 1169-1185 against BN 256's 1122-1183 (0.83-0.84x). Timing-only builds
-// (PROMOTE_TIMING) put the rest in the scales: with the promotion's factor a constant and no
-// scale loads, 1364-1386 (0.98x); with the loaded factors kept in registers but no loads after
-// the first block, 1350. Hence the scales through shared memory: BN 256 with clusters of two
-// 1289-1346 (0.93-0.94x; through `kforge bench quant` 1370, 0.95x), now the default; BN 128 with
-// two partials 1144-1233 (0.81-0.86x) against one partial's 1198 (0.84x, no cluster): the second
-// partial was dropped (its code is in the notes' two-partials-not-kept.patch). At BN 256 the
-// timing-only promotion (acc += p) runs at 1416 (0.99x) against the exact one's 1341: what is left
-// is the FFMA's per-row factor, a third register operand (ncu, BN 128: every other promotion FFMA
-// stalls on dispatch, the ones whose factor ptxas does not take from its operand-reuse cache).
-// Tried and not kept: three consumer warpgroups on 192 x 128 tiles (152 registers each),
-// 1125-1191 (patch in the notes).
-// 2026-11-26 (session 15, benchmarks/notes/2026-11-26-session15): the scales read before the
-// chains instead of under the first, 0.7-1.0% faster at BN 256. Then the promotion's scheduling
-// bits, rewritten in the cubin (runtime/sass_control.py; ptxas yields at every other FFMA and
-// re-reads the factor after each yield): yielding at every 8th FFMA of a run, the factor kept
-// in the operand-reuse cache between, 0.710-0.713 ms against 0.730-0.733 (2.5-2.9%, 0.97x
-// rowwise), now how fp8_block_gemm.py loads it; every 4th or 16th within 0.6% of it; against
-// ptxas's schedule, never yielding 6% slower, at every FFMA 7%, only at a run's end 2%. The timing-only
-// builds (a constant factor) run at 0.99-1.00x. Not kept: the epilogue through a ring of three
-// 64 x 32 slices a consumer (4 KB each, so a store has two slices' time to read its buffer):
-// correct, not faster (0.96x alone, 0.98x through the harness; patch in the notes). A build skipping the
-// epilogue at run time measured 1.4% faster in one run and 3% slower in the next: no bound.
+// The promotion's scheduling bits are rewritten in the cubin (runtime/sass_control.py, as
+// fp8_block_gemm.py loads it): ptxas yields at every other FFMA and re-reads the factor after
+// each yield; yielding at every 8th FFMA of a run, with the factor kept in the operand-reuse
+// cache between, is 2.5-2.9% faster.
+//
+// Measured on the H100 at 4096 x 7168 x 16384, BN 256 with clusters of two (kforge bench quant,
+// benchmarks/results/nvidia-h100-80gb-hbm3/bench-quant.jsonl): 1,388-1,404 TFLOP/s, 93% of the
+// measured fp8 matmul rate, 0.98-0.99x torch._scaled_mm rowwise and 1.60x bf16 cuBLAS on the same
+// numbers. A timing-only build whose promotion multiplies by a constant (PROMOTE_TIMING) runs at
+// 0.99-1.00x: the exact per-row factor still costs ~1.5%. Run back to back both kernels hold the
+// board at its 700 W cap, and there ours is 1.02-1.04x rowwise. Versions, and the designs that
+// lost (two partials, three consumers, consumers taking turns, a slice-ring epilogue, a K-split
+// tail): docs/worklogs/quant.md.
 #include "../gemm_bf16/hopper.cuh"
 
 #ifndef STAGES
@@ -249,8 +229,8 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
                 mbar_wait(&full[s], ((it + kb) / STAGES) & 1);
                 const u32 a = a_lo + s * STAGE_STEP, b = b_lo + s * STAGE_STEP;
                 // The block's scales, read before its chains are issued: 0.7-1.0% faster at BN 256 than reading
-                // them under the first chain (session 15; our guess: there they wait behind the chain's
-                // shared-memory reads), 1.3% slower at BN 128 (not the default).
+                // them under the first chain (our guess: there they wait behind the chain's shared-memory
+                // reads), 1.3% slower at BN 128 (not the default).
                 float lo[HALVES], hi[HALVES];
 #pragma unroll
                 for (int g = 0; g < HALVES; ++g)

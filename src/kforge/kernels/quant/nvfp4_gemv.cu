@@ -27,13 +27,13 @@
 // partial sums meet in a butterfly of shuffles at the end. K must be a multiple of 32 and
 // rows 16-byte aligned (the wrapper checks).
 //
-// Measured on the H100 (2026-11-25, scripts/quant_gemv_sweep.py): 72-83% of the copy bandwidth
+// Measured on the H100 (scripts/quant_gemv_sweep.py, kforge bench quant): 72-83% of the copy bandwidth
 // on the problem set's long rows, 62% at K = 2048; 84-88% of a read-only stream of the same
 // bytes. ROWS = 2 (K > 4096) or 4, WARPS = 4 were the fastest; splitting K across warps and
 // capping registers for more blocks were not faster. ncu: issue slots ~60-70% busy, memory
 // stalls first, math-pipe throttle second.
-// An L2 prefetch-size hint (L2::128B, L2::256B) on a's loads: 1-3% slower on all three shapes
-// (session 18).
+// An L2 prefetch-size hint (L2::128B, L2::256B) on a's loads was 1-3% slower on all three
+// shapes (docs/worklogs/quant.md).
 
 #ifndef ROWS
 #define ROWS 2  // a's rows a warp

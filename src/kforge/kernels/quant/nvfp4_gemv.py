@@ -38,8 +38,8 @@ budget, so the kernel is close to ALU-bound as well as memory-bound.
 On a GPU a CUDA kernel takes over where it fits (`nvfp4_gemv.cu`, K a multiple of 32): it
 decodes two codes per instruction pair into fp16 pairs and multiplies them with HFMA2 (exact,
 see its header), about 4.6 instructions a code at 2 rows a warp, and keeps two steps of loads
-in flight. Measured on the H100 (2026-11-25, scripts/quant_gemv_sweep.py and `kforge bench
-quant`; benchmarks/notes/2026-11-25-session10): 29.5, 52.4 and 17.4 us on the three shapes,
+in flight. Measured on the H100 (scripts/quant_gemv_sweep.py and `kforge bench
+quant`): 29.5, 52.4 and 17.4 us on the three shapes,
 73.9%, 83.3% and 62.8% of the copy bandwidth (this Triton kernel: 63%, 61%, 53%), 84-88% of a
 read-only stream of the same bytes in one launch (86%, 94%, 73% of copy).
 """

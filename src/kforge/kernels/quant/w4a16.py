@@ -59,25 +59,25 @@ int -> float conversion alone (I2F, 16 a clock an SM) would be over budget. Two 
 
 For one token on a GPU a CUDA kernel takes over (`w4a16_gemv.cu`: the same nibble trick, one
 warp per 2 or 4 rows, two steps of loads in flight, launched without Triton's per-call host
-work). Measured on the H100 at batch 1 (2026-11-25, scripts/quant_gemv_sweep.py and `kforge
-bench quant`; benchmarks/notes/2026-11-25-session10), device time and % of copy on the packed
+work). Measured on the H100 at batch 1 (scripts/quant_gemv_sweep.py and `kforge
+bench quant`), device time and % of copy on the packed
 bytes: N x K = 4096 x 4096 8.4 us (34%), 14336 x 4096 17.3 us (58%), 4096 x 14336 17.1 us (59%),
 28672 x 4096 28.5 us (70%), 80-83% of a read-only stream of the same bytes (40, 71, 71, 85% of
 copy: the launch and the ramp weigh on a 3-10 MB read); 2.2x, 2.6x, 2.7x, 3.0x cuBLAS's bf16
 GEMV on the same weights. This Triton kernel: 33, 56, 56, 69% of copy. Batches 3-32 (the
 tensor-core path): 11-30% of copy, paying the split-K partials and a second launch.
 Where K <= 4096 and N >= 12288 a second CUDA kernel takes the token (`w4a16_gemv_bulk.cu`: W
-streamed into shared memory by the bulk-copy engine, the same sums bit for bit): 2026-11-26,
+streamed into shared memory by the bulk-copy engine, the same sums bit for bit):
 14336 x 4096 16.3 us (60%), 28672 x 4096 25.6 us (77%, 90% of the read stream).
 
 For 2 to 32 tokens on a GPU `w4a16_mma.cu` takes over from the Triton paths above where the
 group is 128 k times a power of two: bf16 mma.sync on q decoded by one LOP3 and one bf16x2 FMA a
 pair (the nibbles' bf16 bits with 128 as the exponent, minus 136), the warps of a block splitting
-K and adding their sums in shared memory: one launch, no partials in HBM. 2026-11-26, 16 tokens
+K and adding their sums in shared memory: one launch, no partials in HBM. 16 tokens
 at 14336 x 4096: 21.1 us against the Triton tensor-core path's 34 and cuBLAS's 45; 32 at 4096 x
 4096: 14.7 us against 28.5 and 17.0; 2 tokens at the four widths 9.2-28.3 us against the Triton
 CUDA-core path's 10.1-35.9, whose autotuned launch also cost 122 us of host time a call against
-`launch_cuda_mma`'s 15 (benchmarks/notes/2026-11-26-session17).
+`launch_cuda_mma`'s 15 (history: docs/worklogs/quant.md).
 """
 
 from __future__ import annotations
@@ -516,9 +516,8 @@ def mma_shared_bytes(m_tiles: int, n_tiles: int, k_warps: int) -> int:
 def mma_variant(n: int, batch: int) -> tuple[int, int, bool]:
     """(MT, KW, XPF) of `w4a16_mma.cu`: 16-row m-tiles a warp, warps a block (splitting K), and
     whether x is loaded a chunk ahead with W. The fastest measured on the H100 at N x K = 4096 x
-    4096, 14336 x 4096, 4096 x 14336, 28672 x 4096 and batches 3, 8, 16, 32 (2026-11-26,
-    benchmarks/notes/2026-11-26-session17/sweep-w4a16-mma-2.txt; batch 2 in -3.txt, within 5% of
-    its best there): few rows want more warps on K;
+    4096, 14336 x 4096, 4096 x 14336, 28672 x 4096 and batches 2, 3, 8, 16, 32
+    (scripts/quant_gemv_sweep.py w4a16-batch; at batch 2 within 5% of the best): few rows want more warps on K;
     x ahead pays where its registers fit (it did not at 14336 and 28672 rows beyond 8 tokens). At
     17-32 tokens and over 16384 rows, 4 m-tiles spill a little at 32 tokens and still measured fastest."""
     n_tiles = triton.cdiv(batch, 8)

@@ -24,25 +24,18 @@
 // K must be a multiple of 1024 (a chunk's scales are whole 16-byte copies), the group 128, W
 // and its scales contiguous (the wrapper checks).
 //
-// Measured on the H100 (2026-11-26, benchmarks/notes/2026-11-26-session16, device time after an
-// L2 flush): at 28672 x 4096, 25.6 us, 77% of the copy bandwidth and 90% of a read-only stream of
-// the same bytes (w4a16_gemv.cu: 28.4 us, 69%); at 14336 x 4096, 16.3 us against 17.4. Slower
-// than w4a16_gemv.cu where N is small (4096 x 4096, 6144 x 4096) or K long (4096 x 14336, where
-// x's 57 KB leave room for one block an SM): w4a16.py picks it only for K <= 4096 and N >= 12288.
-// Tried and slower at 28672 x 4096: a tile's rows in one copy (26.9 us against 25.8: fewer, larger
-// copies), the last round's rows cut evenly over all blocks (27.3: no idle blocks in the last
-// round, yet slower), 4 rows a warp (32.3 at one block an SM), 1 or 2 rows a warp, 2, 6 or 8
-// warps, 2 or 3 stages (3 or 4 blocks an SM: 26.4-26.8), a tile's scales in one copy (26.3); the
-// copies marked L2 evict-first: within 0.3% (not kept). The producer's code is on the critical path:
-// the same copies behind one more branch ran at 27.0 us.
-// Session 18 (benchmarks/notes/2026-11-26-session18): built with its consumers computing nothing,
-// this kernel's copies run at 23.5 us (the read stream 23.0), so the arithmetic costs 2.2 us. Four
-// designs timed did not recover it: one token on mma.sync at 1.3-1.6 instructions a weight, in three
-// tile and stage shapes (26.2-27.2 us), and every warp streaming its own rows (28.2).
-// A %globaltimer timeline puts those 2.2 us in the tail: the bulk of the bytes arrives nearly as
-// early as with nothing computing (20.0 us against 19.7), but the last blocks' last copies wait ~3 us for the producer to refill a
-// freed slot (0.8 us when nothing computes). Merged copies, a fifth stage and the last tile copied
-// early into a spare slot each measured slower or no faster (26.4-27.3 us).
+// Measured on the H100 (kforge bench quant and scripts/quant_gemv_sweep.py, device time after an
+// L2 flush): at 28672 x 4096, 25.6-25.8 us, 77% of the copy bandwidth and 90% of a read-only stream
+// of the same bytes (w4a16_gemv.cu: 28.4 us, 69%), 3.3x bf16 cuBLAS; at 14336 x 4096, 16.3 us
+// against 17.4. Slower than w4a16_gemv.cu where N is small (4096 x 4096, 6144 x 4096) or K long
+// (4096 x 14336, where x's 57 KB leave room for one block an SM): w4a16.py picks it only for
+// K <= 4096 and N >= 12288. The producer thread's code is on the critical path: the same copies
+// behind one more branch ran at 27.0 us.
+// What limits it: built with its consumers computing nothing, its copies run at 23.5 us (the read
+// stream 23.0), so the arithmetic costs 2.2 us, all of it in the tail: the last blocks' last copies
+// wait ~3 us for the producer to refill a freed slot while the consumers compute. Fewer, larger or
+// more copies, more or fewer warps, rows and stages, and one token on mma.sync were all slower or
+// no faster (figures and commits: docs/worklogs/quant.md).
 
 #include "../gemm_bf16/hopper.cuh"
 #include "w4a16_decode.cuh"

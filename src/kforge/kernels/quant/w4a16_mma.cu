@@ -30,8 +30,7 @@
 // with it, where the registers allow); x (read by every block) goes through L1. Tokens past the
 // batch re-read the last token's x and are not stored.
 //
-// Measured on the H100 (2026-11-26, scripts/quant_gemv_sweep.py w4a16-batch; benchmarks/notes/
-// 2026-11-26-session17): at N x K = 4096 x 4096, 14336 x 4096, 4096 x 14336, 28672 x 4096 and 2,
+// Measured on the H100 (scripts/quant_gemv_sweep.py w4a16-batch): at N x K = 4096 x 4096, 14336 x 4096, 4096 x 14336, 28672 x 4096 and 2,
 // 3, 8, 16, 32 tokens, faster than cuBLAS's bf16 GEMM on the dequantized W (1.1-3.1x) and than the
 // Triton paths it replaces (1.1-1.9x) at every one; 2 to 8 tokens reach 30-70% of copy
 // (the read stream of the same bytes 40-85%), 32 tokens 20-39%. The loop is 2.2 (NT 1) to 3.3

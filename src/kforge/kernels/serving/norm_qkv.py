@@ -33,8 +33,8 @@ Two paths by the number of rows M (tokens):
   kernel rounds; gamma's k-tile arrives in each stage beside x and W), add up the squares
   of x after the k-tile's wgmmas are issued, and give wgmma its A operand from registers;
   at the tile's end each row's 1/rms scales its fp32 accumulator row before the rounding.
-  The next k-tile's fragments are prepared under this k-tile's wgmmas (figures in
-  benchmarks/notes/2026-11-26-session12 and -session13: 1.02-1.05x the compiled pair at M = 4096).
+  The next k-tile's fragments are prepared under this k-tile's wgmmas (1.02x the compiled
+  pair at M = 4096 on the H100, `kforge bench serving`; docs/worklogs/serving.md).
 
 Why the statistic is computed inside the GEMM rather than by a separate kernel writing r:
 the x tile comes into registers for the gamma multiply anyway, so the squares cost about
@@ -229,8 +229,8 @@ def prefill_tile_width(m: int, n: int, sms: int) -> int:
     """The NORM_A prefill's tile width, 256 or 192 columns (128 rows either way): 192 when its
     last wave of tiles leaves at least 15% fewer SMs idle than 256's. A 192-wide tile does
     the norm's per-k-tile work (ldmatrix, gamma, squares) for 3/4 of the products, so it is
-    slower where both fill the SMs alike. Measured (H100, 2026-11-26, device time, notes in
-    benchmarks/notes/2026-11-26-session13): M = 512 at N = 6144, 96 tiles of 256 on 132 SMs
+    slower where both fill the SMs alike. Measured (H100, device time,
+    scripts/norm_qkv_variants.py): M = 512 at N = 6144, 96 tiles of 256 on 132 SMs
     against 128 of 192, 49.1 -> 44.0 us; M = 1024, 95.8 -> 85.4; M = 512 at N = 10240, 179
     -> 162; M = 1024 at N = 10240 (81% and 82% full) 266 against 311: 256 kept."""
     from kforge.kernels.gemm_bf16 import narrow_tile_fills_better

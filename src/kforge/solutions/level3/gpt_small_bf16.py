@@ -15,10 +15,10 @@ and each residual add inside the LayerNorm that follows it:
 
 then the final layer_norm (adding the last block's pending output) and the tied LM head
 (0.63 of the 1.15 TFLOP) on the bf16 GEMM ladder. fused_linear picks the CUDA rung per
-shape (kforge.ops.matmul.best_kernel, from the H100 tables of benchmarks/notes/2026-11-26-session12):
+shape (kforge.ops.matmul.best_kernel, from H100 device time against cuBLAS):
 rung 4, its epilogue stored under the next tile's k-loop, for the short-K projections (K = 768:
 1.03x cuBLAS at c_attn's shape), rung 5 for the LM head (1.06x), rung 4 with the tanh-GELU in
-its epilogue for c_fc (1.22x eager's linear + GELU, session 7). A residual add in a GEMM's epilogue measured
+its epilogue for c_fc (1.22x eager's linear + GELU, scripts/fused_linear_bench.py). A residual add in a GEMM's epilogue measured
 slower than the add the next norm makes anyway (0.73-0.83x eager at these K), hence
 `pending`. Eager's tanh-GELU alone is one pass over (8192, 3072) per block; its residual
 adds, the contiguous() copy of SDPA's output and the separate LayerNorm passes add ~0.3 GB
@@ -29,7 +29,7 @@ rows).
 
 Everything up to and including the final layer_norm replays as one CUDA graph
 (runtime/graphs.py): issued from Python, its ~30 launches took 4.33 ms of host time for
-~2.3 ms of device time (H100, 2026-11-22; the reference's host 1.35 ms), and the harness
+~2.3 ms of device time (H100, scripts/host_profile.py; the reference's host 1.35 ms), and the harness
 counts the longer. The graph hands back its own output buffer (8192 x 768, no clone), which
 the LM head reads at once, on the same stream, to write the 824 MB of logits into a fresh
 tensor: cloning them out of a graph would cost another 1.6 GB of traffic a call. The head

@@ -4,8 +4,8 @@ but the last, applied to the fp32 accumulator before the only store. Eager write
 hidden activation, reads it back for GELU and writes it again (3 x 268 MB at 16384 x 4096);
 here each is written once. On an H100 fused_linear runs the CUDA rung 4 (the 128 x 256
 persistent GEMM, ~1.00x cuBLAS at these shapes) with the epilogue compiled in, GELU's erf
-evaluated branch-free (two MUFU ops a value). Measured per layer (H100, 2026-11-22,
-`scripts/fused_linear_bench.py`, benchmarks/notes/2026-11-22-session7/fused-linear-bench-2.txt):
+evaluated branch-free (two MUFU ops a value). Measured per layer (H100, device time,
+`scripts/fused_linear_bench.py`):
 1.12x eager at K = 1024, 1.03x at K = 4096 (the epilogue's ~60 us a layer against eager's
 ~90 us GELU pass), 0.97x for the last, bias-only layer: ~1.03x for the stack. On the CPU
 fused_linear takes the Triton epilogue GEMM under the interpreter.

@@ -12,8 +12,8 @@ problems/level3). Seven launches, every elementwise step inside a GEMM's epilogu
 
 fused_linear takes the CUDA GEMM rungs on an H100, the rung per shape from the measured
 tables: rung 4 for the K = 1024 projections (1.07-1.08x cuBLAS without the bias,
-benchmarks/notes/2026-11-26-session12), rung 4 with GELU in its epilogue for fc1 (1.13x eager's
-linear + GELU, benchmarks/notes/2026-11-22-session7) and with the residual for fc2 (K = 4096 hides its reads: 1.00x eager). The
+scripts/gemm_bf16_variants.py), rung 4 with GELU in its epilogue for fc1 (1.13x eager's
+linear + GELU, scripts/fused_linear_bench.py) and with the residual for fc2 (K = 4096 hides its reads: 1.00x eager). The
 out-projection's residual goes to the norm instead: at K = 1024 an epilogue add measured
 0.95x eager, and the norm reads and writes the rows anyway. Against eager
 (nn.MultiheadAttention's seq-first transposes and copies, a GELU pass over (12608, 4096),
