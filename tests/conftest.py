@@ -16,7 +16,19 @@ FIXTURES = Path(__file__).parent / "fixtures"
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow (what .ci/run does)")
+
+
 def pytest_collection_modifyitems(config, items):
+    # `pytest` alone leaves the slow tests out (CONTRIBUTING.md); they run with --run-slow, with
+    # -m (e.g. -m slow), or when a test file or test is named on the command line
+    named = config.args_source is not pytest.Config.ArgsSource.TESTPATHS
+    if not (config.getoption("--run-slow") or config.option.markexpr or named):
+        slow = [item for item in items if "slow" in item.keywords]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if "slow" not in item.keywords]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -27,8 +39,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def isolated_cache(tmp_path, monkeypatch):
-    """Never read or write the user's cache of measured ceilings."""
+    """Never read or write the user's cache of measured ceilings, nor leave result files in
+    the working directory: a command's default result files land in the test's tmp_path."""
     monkeypatch.setenv("KFORGE_CACHE_DIR", str(tmp_path / "kforge-cache"))
+    monkeypatch.setenv("KFORGE_RESULTS_DIR", str(tmp_path))
 
 
 @pytest.fixture

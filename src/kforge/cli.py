@@ -4,11 +4,16 @@ Exit status of `kforge eval`: 0 both gates passed; 1 a gate failed (incorrect, s
 faster than the hardware allows, or rejected by a defence); 2 the input is unusable (a
 missing or malformed file, a constructor mismatch, an exception, a crash, out of
 memory, a CUDA error or a time limit while building or running). 3 means kforge itself
-failed: that is a bug. `kforge suite` exits 0 when every pair passed, else 1.
+failed: that is a bug. `kforge suite` exits 0 when every pair passed, else 1 (with
+--require-fast-1 X: 0 when fast_1 >= X). Usage errors (an unknown option, a bad value)
+exit 2 with one `error: ...` line, as unusable inputs do.
+
+Result files go to $KFORGE_RESULTS_DIR, else ./kforge-results/, unless --results names one.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import warnings
@@ -26,12 +31,115 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    help="kforge: is this kernel correct AND faster, and what % of the hardware's peak is it at?",
+    help="kforge: is this kernel correct AND faster, and what % of the hardware's peak is it at?\n\n"
+    "Exit status: 0 passed; 1 a gate failed (suite: not every pair passed, or fast_1 under "
+    "--require-fast-1); 2 an unusable input or a usage error (one `error: ...` line); 3 a bug in kforge.\n\n"
+    "Result files go to $KFORGE_RESULTS_DIR, else ./kforge-results/, unless --results names one.",
 )
 out = Console()
 err = Console(stderr=True, soft_wrap=True)  # an error stays one line, however long
 
-DEFAULT_RESULTS = Path("kforge-results.jsonl")
+RESULTS_DIR_ENV = "KFORGE_RESULTS_DIR"
+DEFAULT_RESULTS_DIR = Path("kforge-results")
+_quiet = False  # --quiet: no spinner or progress line
+
+
+def default_results(name: str) -> Path:
+    """Where a result file goes unless --results names one: NAME in $KFORGE_RESULTS_DIR, else in
+    ./kforge-results/ (ignored by git)."""
+    return Path(os.environ.get(RESULTS_DIR_ENV) or DEFAULT_RESULTS_DIR) / name
+
+
+def show(view) -> None:
+    """Print VIEW on stdout, its tables laid out for the terminal's width (80 off a terminal):
+    text wraps at spaces, never inside a name or a number (kforge/fit.py)."""
+    from kforge.fit import Fitted
+
+    out.print(Fitted(view))
+
+
+def show_progress(json_output: bool = False) -> bool:
+    """A spinner or progress line goes to stderr only on a terminal, never with --json or --quiet."""
+    return err.is_terminal and not (json_output or _quiet)
+
+
+def working(description: str, json_output: bool = False):
+    """A spinner with the elapsed time on stderr while a long step runs (see show_progress);
+    it disappears when the step ends. Use as a context manager."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                        transient=True, disable=not show_progress(json_output))
+    progress.add_task(description, total=None)
+    return progress
+
+
+def print_json(value: object) -> None:
+    """VALUE as one line of JSON on stdout: dataclasses and named tuples as objects, paths as
+    strings, non-finite floats as null."""
+    import json
+    import math
+    from dataclasses import asdict, is_dataclass
+
+    def plain(v):
+        if is_dataclass(v) and not isinstance(v, type):
+            return plain(asdict(v))
+        if hasattr(v, "_asdict"):
+            return plain(v._asdict())
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if v is None or isinstance(v, (str, int, float, bool)):
+            return v
+        return str(v)
+
+    print(json.dumps(plain(value)))
+
+
+def save_chart_or_say(save, *args, **kwargs) -> None:
+    """Draw a chart with SAVE(*args, path, ...) unless matplotlib is missing (the `plot` extra):
+    then one line says so, and the table printed before it stands."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        err.print("note: no chart: matplotlib is not installed (pip install 'kforge[plot]')", markup=False,
+                  highlight=False)
+        return
+    path = save(*args, **kwargs)
+    err.print(f"chart saved to {path}", style="dim", highlight=False)
+
+
+def _version(value: bool) -> None:
+    if not value:
+        return
+    import platform
+    from importlib import metadata
+
+    def version_of(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    from kforge import __version__
+
+    print(f"kforge {__version__} (torch {version_of('torch')}, triton {version_of('triton')}, "
+          f"python {platform.python_version()})")
+    raise typer.Exit()
+
+
+@app.callback()
+def _global_options(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print kforge's version (and torch's, triton's, python's) and exit."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No spinner or progress line on stderr (there is "
+                               "none off a terminal or with --json either)."),
+) -> None:
+    global _quiet
+    _quiet = quiet
 
 
 @contextmanager
@@ -80,34 +188,42 @@ def eval_command(
                               "Default: full on a GPU, auto on a CPU.", show_default=False),
     seed: int = typer.Option(None, help="Run seed, to reproduce a run (default: secret and random; "
                              "needs --in-process)."),
-    results: Path = typer.Option(DEFAULT_RESULTS, help="JSONL file the record is appended to."),
+    results: Path = typer.Option(None, help="JSONL file the record is appended to (default: kforge-results.jsonl "
+                                 "in $KFORGE_RESULTS_DIR, else in ./kforge-results/).", show_default=False),
     save: bool = typer.Option(True, help="Append the record to --results."),
     json_output: bool = typer.Option(False, "--json", help="Print the record as JSON, and nothing else."),
     in_process: bool = typer.Option(False, "--in-process", help="Run the candidate in this process, not a fresh "
                                     "worker: for a debugger; a crash then takes kforge down with it."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show whole tracebacks."),
 ) -> None:
-    """Evaluate CANDIDATE against PROBLEM: gate 1 (correct), gate 2 (faster), % of roofline."""
+    """Evaluate CANDIDATE against PROBLEM: gate 1 (correct), gate 2 (faster), % of roofline.
+
+    Exit status: 0 both gates passed; 1 a gate failed (incorrect, slower, or refused by a
+    defence); 2 an unusable input (a missing or broken file, a crash, a time limit) or a
+    usage error; 3 a bug in kforge.
+    """
     from kforge.harness.evaluate import evaluate
     from kforge.harness.isolation import evaluate_isolated
     from kforge.harness.record import append_record
     from kforge.harness.timing import TimingConfig
     from kforge.views import eval_view
 
+    results = results or default_results("kforge-results.jsonl")
     options = dict(baseline=baseline.value, trials=trials, timing=TimingConfig(budget_s=time_budget),
                    size=size.value if size else None, command=shlex.join(["kforge", *sys.argv[1:]]))
-    if in_process:
-        record = evaluate(problem, candidate, seed=seed, **options)
-    else:
-        if seed is not None:
-            raise KforgeError("--seed needs --in-process: a worker draws its own secret seed")
-        record = evaluate_isolated(problem, candidate, **options)
+    if seed is not None and not in_process:
+        raise KforgeError("--seed needs --in-process: a worker draws its own secret seed")
+    with working(f"evaluating {candidate.name} against {problem.name}", json_output):
+        if in_process:
+            record = evaluate(problem, candidate, seed=seed, **options)
+        else:
+            record = evaluate_isolated(problem, candidate, **options)
     if save:
         append_record(results, record)
     if json_output:
         print(record.to_json())
     else:
-        out.print(eval_view(record.to_dict(), str(results) if save else None, verbose=verbose))
+        show(eval_view(record.to_dict(), str(results) if save else None, verbose=verbose))
     raise typer.Exit(record.exit_status)
 
 
@@ -161,7 +277,8 @@ def suite_command(
     resume: bool = typer.Option(False, help="Continue the run stored in --results (it must exist)."),
     force: bool = typer.Option(False, help="Evaluate every pair again; new records are appended and "
                                "the latest counts."),
-    results: Path = typer.Option(Path("kforge-suite.jsonl"), help="JSONL store of the suite's records."),
+    results: Path = typer.Option(None, help="JSONL store of the suite's records (default: kforge-suite.jsonl in "
+                                 "$KFORGE_RESULTS_DIR, else in ./kforge-results/).", show_default=False),
     baseline: SuiteBaseline = typer.Option(SuiteBaseline.eager, help="What the candidates must beat: eager "
                                            "PyTorch, torch.compile of the reference, or both (each pair runs "
                                            "against each; a table and scores for each)."),
@@ -171,9 +288,14 @@ def suite_command(
                                         "before its worker is killed. Default: 600, 600, 3x the budget + 300.",
                                         show_default=False),
     json_output: bool = typer.Option(False, "--json", help="Print the scores and rows as JSON."),
+    require_fast_1: float = typer.Option(None, "--require-fast-1", min=0.0, max=1.0, help="For CI: exit 0 when "
+                                         "fast_1 (the share of pairs correct and faster than the baseline) is at "
+                                         "least this, for each baseline, instead of only when every pair passed.",
+                                         show_default=False),
 ) -> None:
     """Evaluate every problem in PROBLEMS against its solution; print fast_p and a table.
-    Exit status 0 when every pair passed both gates, 1 otherwise.
+    Exit status 0 when every pair passed both gates (with --require-fast-1 X: when fast_1 >= X),
+    1 otherwise; 2 an unusable input or a usage error; 3 a bug in kforge.
 
     `kforge suite level1 --solutions builtin` runs kforge's Level 1 suite with its own
     solutions. Pairs already in --results are skipped, so an interrupted suite resumes where
@@ -190,6 +312,7 @@ def suite_command(
     from kforge.harness.timing import TimingConfig
     from kforge.views import suite_view
 
+    results = results or default_results("kforge-suite.jsonl")
     if resume and force:
         raise KforgeError("--resume and --force contradict each other: choose one")
     if resume and not results.is_file():
@@ -200,7 +323,7 @@ def suite_command(
     baselines = ["eager", "compile"] if baseline is SuiteBaseline.both else [baseline.value]
     summaries = {}
     with _store_warnings(), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                    TimeElapsedColumn(), console=err, disable=json_output) as progress:
+                                    TimeElapsedColumn(), console=err, disable=not show_progress(json_output)) as progress:
         task = progress.add_task("suite", total=len(pairs) * len(baselines))
         for against in baselines:
             options = dict(baseline=against, timing=TimingConfig(budget_s=time_budget),
@@ -228,9 +351,11 @@ def suite_command(
         for against, summary in summaries.items():
             if len(baselines) > 1:
                 out.print(Text(f"against {'eager PyTorch' if against == 'eager' else 'torch.compile'}", style="bold"))
-            out.print(suite_view(summary, device_name, str(results)))
+            show(suite_view(summary, device_name, str(results)))
     # 0 only when every pair passed both gates: a suite is a check CI can rely on
     failed = any(row.status != "passed" for summary in summaries.values() for row in summary.rows)
+    if require_fast_1 is not None:  # or, for CI, when enough of them are correct and faster
+        failed = any(summary.fast_p.get(1.0, 0.0) < require_fast_1 for summary in summaries.values())
     raise typer.Exit(1 if failed else 0)
 
 
@@ -246,12 +371,14 @@ def ladder_command(
     rungs: str = typer.Option(None, help="Rungs to run, e.g. 1,5,9 (default: all).", show_default=False),
     sweep: bool = typer.Option(False, help="Instead of the rungs, time every shape in the tuned rung's sweep."),
     time_budget: float = typer.Option(5.0, min=0.1, help="Seconds of timed rounds per rung at most."),
-    results: Path = typer.Option(None, help="JSONL file the records are appended to "
-                                 "(default: ladder-<family>-<dtype>[-sweep].jsonl).", show_default=False),
+    results: Path = typer.Option(None, help="JSONL file the records are appended to (default: "
+                                 "ladder-<family>-<dtype>[-sweep].jsonl in $KFORGE_RESULTS_DIR, else in "
+                                 "./kforge-results/).", show_default=False),
     chart: Path = typer.Option(None, help="PNG chart of the climb (default: the results path with .png).",
                                show_default=False),
     replot: bool = typer.Option(False, help="Measure nothing: redraw the table and chart from the records in "
                                 "--results (the latest record of each rung)."),
+    json_output: bool = typer.Option(False, "--json", help="Print the table's rows as JSON instead of the table."),
 ) -> None:
     """Run every rung of a kernel ladder through the harness: one table, one chart."""
     from dataclasses import replace
@@ -264,7 +391,7 @@ def ladder_command(
 
     ladder = get_ladder(family.value, dtype)
     stem = f"ladder-{ladder.family}-{ladder.dtype}" + ("-sweep" if sweep else "")
-    results = results or Path(f"{stem}.jsonl")
+    results = results or default_results(f"{stem}.jsonl")
     chart = chart or results.with_suffix(".png")
     if replot:
         if not results.is_file():
@@ -278,7 +405,7 @@ def ladder_command(
         require_gpu()
         steps = ladder.sweep() if sweep else ladder.steps(rungs.split(",") if rungs else None)
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=err) as progress:
+                      console=err, disable=not show_progress(json_output)) as progress:
             task = progress.add_task("ladder", total=len(steps))
             records = run_ladder(ladder, size, steps, time_budget=time_budget, results=results,
                                  command=shlex.join(["kforge", *sys.argv[1:]]), on_step=lambda label, record: progress.update(
@@ -290,9 +417,12 @@ def ladder_command(
         rows = [replace(r, step_speedup=None) for r in sorted(rows, key=lambda r: -(r.gflops or 0))]
     title = (f"{ladder.family} {ladder.dtype}{' sweep' if sweep else ''}, {size_text} on {device_name}: "
              f"vs {ladder.library}")
-    out.print(ladder_view(rows, title=title, library=ladder.library, results_path=None if replot else str(results)))
-    save_chart(rows, chart, title=title, library=ladder.library)
-    err.print(f"chart saved to {chart}", style="dim")
+    if json_output:
+        print_json({"title": title, "library": ladder.library, "rows": rows})
+    else:
+        show(ladder_view(rows, title=title, library=ladder.library,
+                              results_path=None if replot else str(results)))
+    save_chart_or_say(save_chart, rows, chart, title=title, library=ladder.library)
 
 
 class BenchFamily(str, Enum):
@@ -311,12 +441,13 @@ def bench_command(
                                "(gemm: 1024^3, '8B qkv M=16', ...; attention: 'full N=4096 D=128', "
                                "'causal N=512 D=64', ...)."),
     time_budget: float = typer.Option(1.0, min=0.1, help="Seconds of timed rounds per evaluation at most."),
-    results: Path = typer.Option(None, help="JSONL file the records are appended to (default: bench-FAMILY.jsonl).",
-                                 show_default=False),
+    results: Path = typer.Option(None, help="JSONL file the records are appended to (default: bench-FAMILY.jsonl "
+                                 "in $KFORGE_RESULTS_DIR, else in ./kforge-results/).", show_default=False),
     chart: Path = typer.Option(None, help="PNG chart (default: the results path with .png).", show_default=False),
     replot: bool = typer.Option(False, help="Measure nothing: redraw the table and chart from --results."),
     sweep: bool = typer.Option(False, help="attention: time our kernel in each of its autotuner's configs "
                                "instead of the methods."),
+    json_output: bool = typer.Option(False, "--json", help="Print the table's rows as JSON instead of the table."),
 ) -> None:
     """Our kernels against the best library over a sweep of shapes, in one run: GEMM vs
     cuBLAS (ours and Triton), attention vs SDPA's flash backend (ours, naive, cuDNN,
@@ -327,7 +458,7 @@ def bench_command(
     from kforge.bench import bench_rows, run_bench, save_bench_chart
     from kforge.harness.record import read_records
 
-    results = results or Path(f"bench-{family.value}.jsonl")
+    results = results or default_results(f"bench-{family.value}.jsonl")
     chart = chart or results.with_suffix(".png")
     if family == BenchFamily.gemm:
         from kforge.bench import gemm as bench
@@ -363,7 +494,8 @@ def bench_command(
             chosen = [s for s in every if s.label in wanted]
             if len(chosen) != len(wanted):
                 raise KforgeError(f"unknown shape in {shapes!r} (shapes: {', '.join(s.label for s in every)})")
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err) as progress:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                      disable=not show_progress(json_output)) as progress:
             task = progress.add_task("bench", total=None)
             records = run_bench(make_jobs(chosen), time_budget=time_budget, results=results,
                                 command=shlex.join(["kforge", *sys.argv[1:]]),
@@ -377,30 +509,39 @@ def bench_command(
 
         rows = bench.serving_rows(records)
         title = f"serving kernels bf16 on {device_name}: ours vs eager PyTorch and torch.compile (same run)"
-        out.print(serving_bench_view(rows, title=title, results_path=results_path))
-        bench.save_serving_chart(rows, chart, title=title)
-        err.print(f"chart saved to {chart}", style="dim")
+        if json_output:
+            print_json({"title": title, "rows": rows})
+        else:
+            show(serving_bench_view(rows, title=title, results_path=results_path))
+        save_chart_or_say(bench.save_serving_chart, rows, chart, title=title)
         return
     if family == BenchFamily.quant:
         from kforge.views import quant_bench_view
 
         title = f"low-precision kernels on {device_name}: ours vs the best PyTorch path on the same numbers"
-        out.print(quant_bench_view(bench.quant_rows(records), title=title, results_path=results_path))
+        if json_output:
+            print_json({"title": title, "rows": bench.quant_rows(records)})
+        else:
+            show(quant_bench_view(bench.quant_rows(records), title=title, results_path=results_path))
         return
     rows = bench_rows(records, bench.BASELINE, label)
     if family == BenchFamily.gemm:
         from kforge.views import bench_view
 
         title = f"GEMM bf16 on {device_name}: ours and Triton vs cuBLAS (same run)"
-        out.print(bench_view(rows, title=title, baseline=bench.BASELINE, results_path=results_path))
-        save_bench_chart(rows, chart, title=title, baseline=bench.BASELINE)
+        if not json_output:
+            show(bench_view(rows, title=title, baseline=bench.BASELINE, results_path=results_path))
+        save, kwargs = save_bench_chart, dict(title=title, baseline=bench.BASELINE)
     else:
         from kforge.views import attention_bench_view
 
         title = f"attention forward bf16 on {device_name}: vs SDPA flash (same run)"
-        out.print(attention_bench_view(rows, title=title, records=records, results_path=results_path))
-        bench.save_attention_chart(rows, chart, title=title, records=records)
-    err.print(f"chart saved to {chart}", style="dim")
+        if not json_output:
+            show(attention_bench_view(rows, title=title, records=records, results_path=results_path))
+        save, kwargs = bench.save_attention_chart, dict(title=title, records=records)
+    if json_output:
+        print_json({"title": title, "baseline": bench.BASELINE, "rows": rows})
+    save_chart_or_say(save, rows, chart, **kwargs)
 
 
 trace_app = typer.Typer(no_args_is_help=True, help="Step through an algorithm and print every intermediate.")
@@ -412,19 +553,23 @@ def trace_online_softmax_command(ctx: typer.Context) -> None:
     """The online softmax tile by tile: tile max, running max m, rescale exp(m_old - m_new),
     running denominator l, then the check against the softmax of all scores at once.
 
-    Usage: kforge trace online-softmax --tiles "1,3" "2,5" [--values ["10,20,30,40"]]
+    Usage: kforge trace online-softmax --tiles "1,3" "2,5" [--values ["10,20,30,40"]] [--json]
     Each tile is a comma list of scores. --values adds one value per score (default 1, 2,
-    ...) and the running attention output.
+    ...) and the running attention output. --json prints the trace as JSON instead.
     """
     from kforge.kernels.attention.online_softmax import trace_online_softmax
     from kforge.views import online_softmax_view
 
-    tiles, values = parse_trace_args(ctx.args)
+    json_output = "--json" in ctx.args
+    tiles, values = parse_trace_args([token for token in ctx.args if token != "--json"])
     try:
         trace = trace_online_softmax(tiles, values)
     except ValueError as exc:
         raise KforgeError(str(exc)) from None
-    out.print(online_softmax_view(trace))
+    if json_output:
+        print_json({"trace": trace, "agrees": trace.agrees()})
+    else:
+        show(online_softmax_view(trace))
     if not trace.agrees():
         raise typer.Exit(1)
 
@@ -433,22 +578,34 @@ def trace_online_softmax_command(ctx: typer.Context) -> None:
 def trace_accumulate_command(
     terms: int = typer.Option(64, min=1, max=4096, help="How many products near 1.0 to add up."),
     seed: int = typer.Option(20, help="Seed of the products (20 reproduces the seed document's table)."),
+    json_output: bool = typer.Option(False, "--json", help="Print the steps as JSON instead of the table."),
 ) -> None:
     """Why the accumulator must be wide: products of e4m3 pairs near 1.0 summed step by step
     with an FP8 (e4m3), an FP16 and an FP32 accumulator, each rounded after every add,
     against the exact sum. FP8's step at 32 is 16: adding ~1 rounds back, and it freezes."""
     from kforge.kernels.quant.trace import accumulate_trace, render_accumulate_trace
 
-    out.print(render_accumulate_trace(accumulate_trace(n_terms=terms, seed=seed)))
+    steps = accumulate_trace(n_terms=terms, seed=seed)
+    if json_output:
+        print_json(steps)
+    else:
+        show(render_accumulate_trace(steps))
 
 
 @trace_app.command("formats")
-def trace_formats_command() -> None:
+def trace_formats_command(
+    json_output: bool = typer.Option(False, "--json", help="Print the rows as JSON instead of the table."),
+) -> None:
     """Each quantized format's bits per value (scales included) and relative error against
     bf16 on Gaussian and heavy-tailed weights and on activations with outlier channels."""
     from kforge.kernels.quant.trace import format_error_table, render_format_error_table
 
-    out.print(render_format_error_table(format_error_table()))
+    with working("quantizing the test tensors in each format", json_output):
+        rows = format_error_table()
+    if json_output:
+        print_json(rows)
+    else:
+        show(render_format_error_table(rows))
 
 
 def parse_trace_args(tokens: list[str]) -> tuple[list[list[float]], list[float] | None]:
@@ -492,8 +649,11 @@ def resources_command(
     sources: list[Path] = typer.Argument(None, help=".cu files (default: every one in kforge's kernels).",
                                          show_default=False),
     arch: str = typer.Option("sm_90a", help="Architecture to compile for (no GPU needed)."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object per kernel, in a list."),
 ) -> None:
     """Compile CUDA sources with NVRTC and report registers, shared memory and spills per kernel."""
+    from dataclasses import asdict
+
     from rich.table import Table
 
     from kforge.runtime.cuda import compile_cuda, resources
@@ -502,12 +662,18 @@ def resources_command(
     table = Table(title=f"kernel resources for {arch} (ptxas via NVRTC; cuobjdump)", title_justify="left")
     for column in ("source", "kernel", "registers", "shared B", "stack B", "spill stores B", "spill loads B"):
         table.add_column(column, justify="left" if column in ("source", "kernel") else "right")
-    for source in sources:
-        for name, r in resources(compile_cuda(source, arch=arch)).items():
-            table.add_row(source.name, name, str(r.registers), f"{r.shared_bytes:,}", str(r.stack_bytes),
-                          str(r.spill_stores), str(r.spill_loads),
-                          style="red" if r.spill_stores or r.spill_loads else None)
-    out.print(table)
+    found = []
+    with working(f"compiling {len(sources)} source(s) for {arch}", json_output) as progress:
+        for source in sources:
+            progress.update(progress.task_ids[0], description=f"compiling {source.name} for {arch}")
+            found += [(source, name, r) for name, r in resources(compile_cuda(source, arch=arch)).items()]
+    if json_output:
+        print_json([{"source": str(source), "kernel": name, **asdict(r)} for source, name, r in found])
+        return
+    for source, name, r in found:
+        table.add_row(source.name, name, str(r.registers), f"{r.shared_bytes:,}", str(r.stack_bytes),
+                      str(r.spill_stores), str(r.spill_loads), style="red" if r.spill_stores or r.spill_loads else None)
+    show(table)
 
 
 def _slots(gpus: str | None) -> tuple[list[int | None], str]:
@@ -546,13 +712,15 @@ def roofline_command(
     from kforge.views import ceilings_view
 
     device = current_device()
-    if remeasure or not ceilings_path(device).is_file():
+    measuring = remeasure or not ceilings_path(device).is_file()
+    if measuring and not show_progress(json_output) and not _quiet:  # a line for logs, else a spinner
         err.print(f"measuring the ceilings of {device.name} ...", style="dim")
-    ceilings = get_ceilings(device, remeasure=remeasure)
+    with working(f"measuring the ceilings of {device.name}", json_output or not measuring):
+        ceilings = get_ceilings(device, remeasure=remeasure)
     if json_output:
         print(json.dumps(ceilings.to_dict(), indent=2))
     else:
-        out.print(ceilings_view(ceilings, str(ceilings_path(device))))
+        show(ceilings_view(ceilings, str(ceilings_path(device))))
 
 
 @app.command("report")
@@ -587,8 +755,14 @@ def main() -> None:
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - the last line of defence is a readable message
         if hasattr(exc, "show") and hasattr(exc, "exit_code"):  # click's usage errors (typer may vendor click)
-            exc.show()
-            sys.exit(exc.exit_code)
+            if type(exc).__name__ == "NoArgsIsHelpError" or not hasattr(exc, "format_message"):
+                exc.show()  # `kforge` alone: the help
+                sys.exit(exc.exit_code)
+            ctx = getattr(exc, "ctx", None)
+            see = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+            message = " ".join(exc.format_message().split())  # one line, in the style of every other error
+            err.print(f"[bold red]error:[/] {escape(message)}{escape(see)}", highlight=False)
+            sys.exit(2)
         err.print(f"[bold red]kforge internal error:[/] {type(exc).__name__}: {exc}", highlight=False)
         err.print("this is a bug in kforge; its traceback:", style="dim")
         err.print("".join(traceback.format_exception(exc)), style="dim", highlight=False)

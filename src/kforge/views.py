@@ -91,7 +91,11 @@ def eval_view(record: dict, results_path: str | None = None, verbose: bool = Fal
     table.add_column()
 
     gate1 = record.get("gate1")
-    if gate1:
+    if gate1 and gate1.get("failure") not in (None, "values", "nonfinite", "poison"):
+        # a wrong shape, dtype, device, type or structure: no values were compared, so say what differs
+        detail = f"{gate1['trials_passed']}/{gate1['trials']} trials · {gate1.get('reason') or gate1['failure']}"
+        table.add_row("gate 1  correct", _pass(gate1["passed"]), detail)
+    elif gate1:
         detail = (f"{gate1['trials_passed']}/{gate1['trials']} trials · max abs err {gate1['max_abs_err']:.2g} · "
                   f"max rel err {gate1['max_rel_err']:.2g} · mismatched {100 * gate1['mismatch_frac']:.3g}% · "
                   f"atol {gate1['atol']:g} rtol {gate1['rtol']:g}")
