@@ -43,6 +43,7 @@ def test_both_gates_pass_exit_0_and_the_record_is_appended(cli, write, tmp_path)
     assert records[0]["command"].startswith("kforge eval")
 
 
+@pytest.mark.slow
 def test_a_failed_gate_exits_1(cli, write):
     candidate = write("wrong.py", "import torch\nclass ModelNew(torch.nn.Module):\n"
                                   "    def forward(self, x):\n        return x.sum(dim=1) + 1\n")
@@ -50,6 +51,7 @@ def test_a_failed_gate_exits_1(cli, write):
     assert result.returncode == 1 and "INCORRECT" in result.stdout
 
 
+@pytest.mark.slow
 def test_an_unusable_candidate_exits_2_with_a_one_line_reason(cli, write):
     candidate = write("broken.py", "import torch\nclass ModelNew(torch.nn.Module):\n"
                                    "    def forward(self, x):\n        return undefined_name\n")
@@ -58,6 +60,7 @@ def test_an_unusable_candidate_exits_2_with_a_one_line_reason(cli, write):
     assert "CANDIDATE ERROR" in result.stdout and "NameError" in result.stdout and "broken.py:4" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_missing_file_exits_2_without_a_traceback_or_a_record(cli, tmp_path):
     result = cli("eval", ROW_SUMS, tmp_path / "nope.py")
     assert result.returncode == 2
@@ -66,11 +69,13 @@ def test_a_missing_file_exits_2_without_a_traceback_or_a_record(cli, tmp_path):
     assert not (tmp_path / "kforge-results.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_bad_option_exits_2(cli, write):
     result = cli("eval", ROW_SUMS, ROW_SUMS, "--trials", "2")
     assert result.returncode == 2 and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_json_prints_only_the_record(cli, write, tmp_path):
     candidate = write("fast.py", "import torch\nclass ModelNew(torch.nn.Module):\n"
                                  "    def forward(self, x):\n        return x.sum(dim=1)\n")
@@ -81,12 +86,14 @@ def test_json_prints_only_the_record(cli, write, tmp_path):
     assert not (tmp_path / "kforge-results.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_roofline_shows_the_cached_ceilings_and_the_datasheet_table(cli):
     result = cli("roofline")
     assert result.returncode == 0, result.stderr
     assert "copy bandwidth" in result.stdout and "H100 SXM" in result.stdout and "989" in result.stdout
 
 
+@pytest.mark.slow
 def test_report_regenerates_markdown_from_the_records(cli, tmp_path, write):
     from kforge.harness.evaluate import evaluate
     from kforge.harness.record import append_record
@@ -103,6 +110,7 @@ def test_report_regenerates_markdown_from_the_records(cli, tmp_path, write):
     assert f"{record.speedup:.3f}x" in text and "kforge eval row_sums.py fast.py" in text
 
 
+@pytest.mark.slow
 def test_a_crashing_candidate_is_reported_and_kforge_survives(cli, tmp_path):
     result = cli("eval", FIXTURES / "problems" / "add.py", FIXTURES / "candidates" / "crash_segfault.py")
     assert result.returncode == 2, result.stdout + result.stderr
@@ -110,11 +118,13 @@ def test_a_crashing_candidate_is_reported_and_kforge_survives(cli, tmp_path):
     assert '"status": "crash"' in (tmp_path / "kforge-results.jsonl").read_text()
 
 
+@pytest.mark.slow
 def test_a_fixed_seed_needs_the_in_process_mode(cli):
     result = cli("eval", ROW_SUMS, ROW_SUMS, "--seed", "3")
     assert result.returncode == 2 and "--seed needs --in-process" in result.stderr
 
 
+@pytest.mark.slow
 def test_report_names_each_rejected_line_in_one_warning_line(tmp_path):
     from kforge.harness.record import EvalRecord, append_record
 

@@ -29,6 +29,7 @@ def cli(tmp_path, cpu, cpu_ceilings):
                                         capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_builtin_level1_runs_the_chosen_problems_with_kforges_solutions(cli, tmp_path):
     done = cli("suite", "level1", "--solutions", "builtin", "--only", "transpose_bf16,matmul_fp32",
                "--time-budget", "0.1", "--json")

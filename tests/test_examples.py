@@ -12,6 +12,7 @@ NAMES = ["matmul_bf16", "softmax", "linear_bias_gelu"]
 
 @pytest.mark.skipif(not interpreter_active(), reason="runs the Triton kernels under the interpreter")
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_each_example_runs_end_to_end_on_a_cpu(name, cpu, cpu_ceilings, fast_timing):
     record = evaluate(EXAMPLES / "problems" / f"{name}.py", EXAMPLES / "triton" / f"{name}.py",
                       device=cpu, ceilings=cpu_ceilings, timing=fast_timing)

@@ -57,6 +57,7 @@ def test_chart_is_a_png_and_refuses_when_nothing_was_timed(tmp_path):
                    title="t", library="cuBLAS")
 
 
+@pytest.mark.slow
 def test_replot_redraws_the_committed_h100_ladder_without_a_gpu(tmp_path):
     shutil.copy(H100_LADDER, tmp_path / "ladder.jsonl")
     done = kforge("ladder", "gemm", "--replot", "--results", "ladder.jsonl", cwd=tmp_path)
@@ -65,6 +66,7 @@ def test_replot_redraws_the_committed_h100_ladder_without_a_gpu(tmp_path):
     assert (tmp_path / "ladder.png").is_file()
 
 
+@pytest.mark.slow
 def test_ladder_errors_are_one_line_and_exit_2(tmp_path):
     missing = kforge("ladder", "gemm", "--replot", "--results", "none.jsonl", cwd=tmp_path)
     assert missing.returncode == 2 and missing.stderr.startswith("error: nothing to replot")
@@ -78,6 +80,7 @@ def test_ladder_errors_are_one_line_and_exit_2(tmp_path):
         assert "Traceback" not in no_gpu.stderr
 
 
+@pytest.mark.slow
 def test_resources_reports_each_kernel_and_a_compile_error_is_one_line(tmp_path):
     good = tmp_path / "ok.cu"
     good.write_text('extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.f; }\n')

@@ -33,6 +33,7 @@ TINY_CASES = list({(s.problem, s.sizes.get("BASELINE")): s for s in SHAPES}.valu
 
 @pytest.mark.skipif(not interpreter_active(), reason="runs the Triton kernels under the interpreter")
 @pytest.mark.parametrize("shape", TINY_CASES, ids=lambda s: s.label)
+@pytest.mark.slow
 def test_every_method_passes_gate_1_against_its_baseline(shape, cpu, cpu_ceilings, fast_timing):
     problem = load_problem(shape.problem, "tiny", {k: v for k, v in shape.sizes.items() if k in KEPT_AT_TINY})
     for method, make in shape.methods.items():

@@ -40,6 +40,7 @@ def test_every_shape_is_evaluated_against_eager_and_compiled():
 
 
 @pytest.mark.parametrize("shape", ONE_PER_PROBLEM, ids=lambda s: s.problem.stem)
+@pytest.mark.slow
 def test_our_kernel_passes_gate_1_against_the_problems_eager_model(shape, cpu, cpu_ceilings, fast_timing):
     problem = load_problem(shape.problem, "tiny", {k: v for k, v in shape.sizes.items() if k in FLAGS})
     candidate = source_candidate("ours", shape.ours, [shape.problem])
@@ -78,6 +79,7 @@ def test_rows_compute_bandwidth_from_device_time_and_keep_both_baselines():
     assert gemv.status == {"eager": "slower"} and gemv.speedup.get("compile") is None
 
 
+@pytest.mark.slow
 def test_replot_draws_the_table_and_chart_without_a_gpu(tmp_path):
     results = tmp_path / "serving.jsonl"
     rows = [_record("swiglu 16384x14336", "eager", 0.50, 0.49, 1.20, 1.19, 1_409_286_144),
@@ -91,6 +93,7 @@ def test_replot_draws_the_table_and_chart_without_a_gpu(tmp_path):
     assert results.with_suffix(".png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_an_unknown_serving_group_is_one_line_and_exit_2(tmp_path):
     done = subprocess.run([sys.executable, "-m", "kforge", "bench", "serving", "--shapes", "norms,nope",
                            "--results", str(tmp_path / "x.jsonl")], capture_output=True, text=True)

@@ -44,6 +44,7 @@ def isolated(cpu, cpu_ceilings):
     # 8. the library the problem asks to beat
     ("calls_cublas", "matmul_no_library", "rejected", {"forbidden_op"}),
 ])
+@pytest.mark.slow
 def test_each_hostile_candidate_is_caught_by_its_defence(isolated, candidate, problem, status, defences):
     record = isolated(candidate, problem)
     if candidate == "patch_timer" and record.device["kind"] == "cuda":
@@ -58,12 +59,14 @@ def test_each_hostile_candidate_is_caught_by_its_defence(isolated, candidate, pr
     assert record.exit_status == 1
 
 
+@pytest.mark.slow
 def test_7_a_predicted_seed_buys_nothing(isolated):
     # precomputed answers for KernelBench's seed 42; kforge draws a secret seed per run
     record = isolated("predicted_seed")
     assert record.status == "incorrect" and record.gate1["failure"] == "values"
 
 
+@pytest.mark.slow
 def test_7_the_seed_is_in_neither_the_environment_nor_the_arguments(isolated, write):
     # The candidate cannot write a file outside its scratch folder, so it reports what it saw
     # in the only channel it has: an exception, whose text the record keeps.

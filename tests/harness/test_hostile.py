@@ -75,6 +75,7 @@ def assert_gate1_values(record, status: str = "incorrect"):
     assert record.defences == [], record.defences
 
 
+@pytest.mark.slow
 def test_an_honest_candidate_passes_with_its_claims_checked(judge):
     record = judge("vectorized_row_sums", "row_sums")
     assert record.gate1["passed"] and record.gate1["trials_passed"] == 5, record.reason
@@ -95,18 +96,21 @@ def test_an_honest_candidate_passes_with_its_claims_checked(judge):
     ("ref_patch_add", "add"),  # torch.Tensor.__add__ and torch.add patched to zeros
     ("ref_gc_weights", "linear"),  # gc walk zeroing Model's weights, the problem module patched
 ])
+@pytest.mark.slow
 def test_1_the_reference_is_out_of_the_candidates_reach(judge, candidate, problem):
     assert_gate1_values(judge(candidate, problem))
 
 
 # --- 2. the judge's own code and state reachable -----------------------------------------
 
+@pytest.mark.slow
 def test_2a_a_patched_tolerance_stays_in_the_candidates_process(judge):
     record = judge("judge_tolerance")
     assert_gate1_values(record)
     assert record.gate1["atol"] == record.gate1["rtol"] == 1e-4, "the problem's tolerance, not the patched one"
 
 
+@pytest.mark.slow
 def test_2b_a_patched_comparison_stays_in_the_candidates_process(judge):
     assert_gate1_values(judge("judge_comparison"))
 
@@ -128,6 +132,7 @@ def test_2c_a_lottery_on_the_rechecked_rounds_loses(judge):
     "judge_forge_clock",  # time.perf_counter_ns patched: the timer's second read is frozen
     "judge_forge_timer",  # _HostCallTimer.time_call replaced through sys.modules
 ])
+@pytest.mark.slow
 def test_2d_forged_timings_are_caught_by_the_judges_clock(judge, candidate):
     # Each call really sleeps 30 ms and claims 0.02 ms: without the cross-check, "passed"
     # with a ~3x speedup.
@@ -144,6 +149,7 @@ def test_2d_forged_timings_are_caught_by_the_judges_clock(judge, candidate):
     assert 20 < claims["excess_ms"] and claims["allowed_ms"] < 6, claims
 
 
+@pytest.mark.slow
 def test_2d_a_claim_of_zero_time_is_rejected_not_divided_by(judge):
     record = judge("judge_zero_claims")
     if on_gpu(record):
@@ -156,6 +162,7 @@ def test_2d_a_claim_of_zero_time_is_rejected_not_divided_by(judge):
 
 # --- 3. the parent trusting what the worker sends --------------------------------------
 
+@pytest.mark.slow
 def test_3a_a_reply_that_is_not_json_is_a_protocol_breach(judge):
     record = judge("reply_not_json")
     assert record.status == "crash", record.reason
@@ -163,10 +170,12 @@ def test_3a_a_reply_that_is_not_json_is_a_protocol_breach(judge):
     assert "not JSON" in record.reason and "PASSED" in record.reason
 
 
+@pytest.mark.slow
 def test_3a_success_claimed_in_every_reply_is_ignored(judge):
     assert_gate1_values(judge("reply_forged_success"))
 
 
+@pytest.mark.slow
 def test_3a_a_forged_line_written_to_the_reply_pipe_proves_nothing(judge):
     # The judge takes the forged line as load's reply, and load's real reply ({}) as the
     # first call's: a reply that describes no output and digests no mailbox fails,
@@ -177,6 +186,7 @@ def test_3a_a_forged_line_written_to_the_reply_pipe_proves_nothing(judge):
     assert "did not say what its mailbox holds" in record.gate1["reason"]
 
 
+@pytest.mark.slow
 def test_3b_an_error_kind_the_worker_may_not_give_is_a_crash(judge):
     record = judge("reply_unknown_error")
     assert record.status == "crash", record.reason
@@ -184,12 +194,14 @@ def test_3b_an_error_kind_the_worker_may_not_give_is_a_crash(judge):
     assert record.gate1 is None and record.gate2 is None
 
 
+@pytest.mark.slow
 def test_3b_clocks_that_are_not_numbers_are_a_crash(judge):
     record = judge("reply_string_clocks")
     assert record.status == "crash", record.reason
     assert record.reason.startswith("the candidate worker sent malformed clocks: ['0.001'"), record.reason
 
 
+@pytest.mark.slow
 def test_3c_a_reply_over_the_line_limit_is_a_protocol_breach(judge):
     record = judge("reply_over_1mb")
     assert record.status == "crash", record.reason
@@ -197,16 +209,19 @@ def test_3c_a_reply_over_the_line_limit_is_a_protocol_breach(judge):
                              f"sent a line over {MAX_LINE} bytes")
 
 
+@pytest.mark.slow
 def test_3c_deeply_nested_json_is_a_protocol_breach(judge):
     record = judge("reply_deep_json")
     assert record.status == "crash" and "broke the protocol during gate1" in record.reason, record.reason
 
 
+@pytest.mark.slow
 def test_3c_an_integer_too_long_to_parse_is_a_protocol_breach(judge):
     record = judge("reply_huge_int")
     assert record.status == "crash" and "broke the protocol during gate1" in record.reason, record.reason
 
 
+@pytest.mark.slow
 def test_3b_nan_in_the_claims_is_refused_not_forwarded(judge):
     record = judge("reply_nan_claims")
     assert record.status in ("crash", "incorrect"), record.reason
@@ -275,6 +290,7 @@ def test_4a_a_setsid_daemon_is_killed_with_the_evaluation(judge, target, tmp_pat
 
 
 @needs_signal_scope
+@pytest.mark.slow
 def test_4b_signals_to_the_judge_and_its_workers_are_refused(judge, tmp_path):
     record = judge("outlive_signals", "row_sums")
     assert record.status == "passed", record.reason  # right outputs only if every signal was refused
@@ -287,6 +303,7 @@ def test_4b_signals_to_the_judge_and_its_workers_are_refused(judge, tmp_path):
         assert f.read().rsplit(")", 1)[1].split()[0] != "T", "this process is not stopped"
 
 
+@pytest.mark.slow
 def test_4c_a_thread_scribbling_on_its_outputs_changes_nothing(judge):
     # Whether the thread scribbles before the mailbox copy (wrong values) or after the
     # reply (the mailbox no longer matches its digest) is a race; either way it fails.
@@ -295,6 +312,7 @@ def test_4c_a_thread_scribbling_on_its_outputs_changes_nothing(judge):
 
 
 @needs_landlock
+@pytest.mark.slow
 def test_4d_writes_outside_its_folders_are_refused(judge, target, tmp_path):
     before = target.read_text()
     record = judge("outlive_write", "row_sums")
@@ -305,6 +323,7 @@ def test_4d_writes_outside_its_folders_are_refused(judge, target, tmp_path):
     assert (candidate_cache(tmp_path) / "allowed.txt").exists(), "its own cache folder stays writable"
 
 
+@pytest.mark.slow
 def test_4e_work_done_after_the_reply_is_not_accepted(judge):
     # If its late write lands before the stop, the digest catches it; if not, the mailbox
     # holds nothing: either way it fails.

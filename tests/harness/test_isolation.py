@@ -22,6 +22,7 @@ def isolated(cpu, cpu_ceilings):
     return _run
 
 
+@pytest.mark.slow
 def test_an_honest_candidate_comes_back_with_its_record(isolated, write, cpu, cpu_ceilings):
     path = write("honest.py", "import torch\nclass ModelNew(torch.nn.Module):\n"
                               "    def forward(self, a, b):\n        return torch.add(a, b)\n")
@@ -33,6 +34,7 @@ def test_an_honest_candidate_comes_back_with_its_record(isolated, write, cpu, cp
     assert record.pair_key and len(record.pair_key) == 24
 
 
+@pytest.mark.slow
 def test_a_segfault_is_a_crash_with_its_traceback(isolated):
     record = isolated("crash_segfault")
     assert record.status == "crash" and record.exit_status == 2
@@ -40,11 +42,13 @@ def test_a_segfault_is_a_crash_with_its_traceback(isolated):
     assert "crash_segfault.py" in record.details, "faulthandler's traceback names the line"
 
 
+@pytest.mark.slow
 def test_os_exit_is_a_crash(isolated):
     record = isolated("crash_exit")
     assert record.status == "crash" and "status 7" in record.reason
 
 
+@pytest.mark.slow
 def test_a_hang_while_importing_times_out_the_load_stage(isolated):
     start = time.monotonic()
     record = isolated("hang_import")
@@ -52,11 +56,13 @@ def test_a_hang_while_importing_times_out_the_load_stage(isolated):
     assert time.monotonic() - start < 15, "the worker is killed at the limit, not later"
 
 
+@pytest.mark.slow
 def test_a_hang_once_timed_times_out_gate_2(isolated):
     record = isolated("hang_timed")
     assert record.status == "timeout" and record.reason.startswith("gate2 ran past")
 
 
+@pytest.mark.slow
 def test_out_of_memory_is_its_own_status(isolated):
     record = isolated("oom")
     assert record.status == "oom" and "can't allocate memory" in record.reason

@@ -58,6 +58,7 @@ def make_suite(tmp_path, solutions: dict[str, str]):
     return problems, sols
 
 
+@pytest.mark.slow
 def test_crashing_hanging_and_oom_candidates_leave_the_suite_running(tmp_path, cpu, cpu_ceilings):
     problems, sols = make_suite(tmp_path, {
         "a_crash": ("add", "crash_segfault"), "b_hang": ("add", "hang_timed"), "c_oom": ("add", "oom"),
@@ -75,6 +76,7 @@ SUITE_CMD = [sys.executable, "-m", "kforge", "suite", "problems", "--solutions",
              "--time-budget", "0.3"]
 
 
+@pytest.mark.slow
 def test_a_suite_killed_with_sigkill_resumes_without_losing_or_redoing_pairs(tmp_path, cpu, cpu_ceilings):
     from kforge.harness.roofline import save_ceilings
 
@@ -109,6 +111,7 @@ def test_a_suite_killed_with_sigkill_resumes_without_losing_or_redoing_pairs(tmp
     assert "0 pair(s) evaluated now" in again.stdout
 
 
+@pytest.mark.slow
 def test_force_evaluates_again_and_the_latest_record_counts(tmp_path, cpu, cpu_ceilings):
     problems, sols = make_suite(tmp_path, {"one": ("row_sums", "vectorized_row_sums")})
     store = ResultStore(tmp_path / "suite.jsonl")
@@ -120,12 +123,14 @@ def test_force_evaluates_again_and_the_latest_record_counts(tmp_path, cpu, cpu_c
     assert len(store.path.read_text().splitlines()) == 2 and len(store.latest()) == 1
 
 
+@pytest.mark.slow
 def test_resume_without_a_store_is_refused(tmp_path):
     make_suite(tmp_path, {"one": ("add", "vectorized_row_sums")})
     result = subprocess.run(SUITE_CMD + ["--resume"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "nothing to resume" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_suite_of_honest_crashing_hanging_forging_and_leaking_candidates_ends_with_the_right_table(
         tmp_path, cpu, cpu_ceilings):
     from kforge.harness import containment

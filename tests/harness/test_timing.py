@@ -24,6 +24,7 @@ def test_stats_from_samples():
     assert TimingStats.from_samples([2.0]).rse == math.inf
 
 
+@pytest.mark.slow
 def test_the_ratio_of_two_known_durations_is_measured(cpu):
     config = TimingConfig(warmup_s=0.0, min_warmup_calls=1, min_reps=10, rse_target=0.02, budget_s=3.0)
     run = time_interleaved({"slow": sleeper(0.004), "fast": sleeper(0.001)}, lambda i: [], cpu, config, seed=0)

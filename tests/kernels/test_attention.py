@@ -73,6 +73,7 @@ def test_trace_arguments_take_tiles_after_one_flag_and_an_optional_value_list():
             parse_trace_args(bad)
 
 
+@pytest.mark.slow
 def test_trace_command_prints_each_step_and_fails_cleanly_on_bad_input():
     run = [sys.executable, "-m", "kforge", "trace", "online-softmax"]
     done = subprocess.run([*run, "--tiles", "1,3", "2,5", "--values"], capture_output=True, text=True, timeout=120)
@@ -104,6 +105,7 @@ def test_naive_attention_matches_sdpa_math_in_float64(shape, causal):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", ODD, ids=str)
+@pytest.mark.slow
 def test_flash_forward_matches_float64_naive_under_the_interpreter(shape, causal, dtype):
     q, k, v = _inputs(shape, dtype)
     out, lse = flash_attention_forward(q, k, v, causal=causal, config={"BLOCK_M": 16, "BLOCK_N": 16})

@@ -27,6 +27,7 @@ def _inputs(shape, dtype, device="cpu", seed=2, ignored=0.2):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape,chunk", CASES, ids=str)
+@pytest.mark.slow
 def test_cross_entropy_matches_float64(shape, chunk, dtype, reduction, nan_outputs):
     logits, targets = _inputs(shape, dtype)
     out = cross_entropy_forward(logits, targets, reduction=reduction, chunk=chunk)

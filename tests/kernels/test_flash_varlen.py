@@ -64,6 +64,7 @@ def _guarded_nan_output(q, guard=2):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+@pytest.mark.slow
 def test_varlen_matches_per_sequence_float64_and_writes_exactly_its_rows(case, causal, dtype):
     lens_q, lens_k, *heads_dim = case
     q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, *heads_dim, dtype)
@@ -80,6 +81,7 @@ def test_varlen_matches_per_sequence_float64_and_writes_exactly_its_rows(case, c
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.slow
 def test_packing_changes_no_bit_of_any_sequence_even_beside_huge_values(causal):
     # The middle sequence's keys and values are huge: one key or value read across a
     # boundary would show in its neighbours. Each sequence run alone must give the same bits.
@@ -112,6 +114,7 @@ def test_causal_is_top_left_aligned_within_each_sequence_as_sdpa():
         torch.testing.assert_close(out[q0:q1].double(), expected.transpose(0, 1), rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_tiles_larger_than_every_sequence_and_many_key_blocks_agree():
     lens_q, lens_k = [100, 3, 70], [130, 64, 1]
     q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 2, 1, 32, torch.float32, seed=3)

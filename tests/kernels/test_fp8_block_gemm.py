@@ -24,6 +24,7 @@ from test_fp8_gemm import BF16_STEP, GPU_PROMOTED, assert_close, exact, quantize
 
 @pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.slow
 def test_the_kernel_compiles_to_fp8_wgmma_without_serialization_or_spills(block_n, cluster):
     from kforge.runtime.cuda import compile_cuda, resources, sass
 
@@ -69,6 +70,7 @@ def test_inputs_the_kernel_cannot_take_are_refused_with_one_line():
         fp8_block_gemm(a, b, sa, sb, promotion="fastest")
 
 
+@pytest.mark.slow
 def test_the_kernel_is_loaded_with_its_promotion_rewritten_or_as_compiled_with_a_warning(monkeypatch):
     """fp8_block_gemm's kernel: the compiled cubin with PROMOTION's scheduling bits; where the
     rewrite cannot run (no cuobjdump), the compiled cubin itself, and a warning says so."""

@@ -32,6 +32,7 @@ def test_every_rung_file_is_registered_and_says_what_it_changed():
 
 
 @pytest.mark.parametrize("b_layout", gemm_bf16.B_LAYOUTS)
+@pytest.mark.slow
 def test_the_ampere_rung_assembles_to_mma_sync_ldmatrix_and_cp_async_without_spills(b_layout):
     cubin = compile_cuda(rung(1).source, arch="sm_90a", defines={"B_KMAJOR": int(b_layout == "nk")})
     code = sass(cubin)
@@ -46,6 +47,7 @@ def test_the_ampere_rung_assembles_to_mma_sync_ldmatrix_and_cp_async_without_spi
 
 @pytest.mark.parametrize("b_layout", gemm_bf16.B_LAYOUTS)
 @pytest.mark.parametrize("step", [r for r in RUNGS if not r.pointers], ids=lambda r: r.label)
+@pytest.mark.slow
 def test_hopper_rungs_assemble_to_wgmma_and_tma_without_spills(step, b_layout):
     cubin = compile_cuda(step.source, arch="sm_90a", defines={"B_KMAJOR": int(b_layout == "nk")})
     code = sass(cubin)
@@ -65,6 +67,7 @@ def test_hopper_rungs_assemble_to_wgmma_and_tma_without_spills(step, b_layout):
     assert ("MULTICAST" in code) == (step.number == 5), "only rung 5 multicasts"
 
 
+@pytest.mark.slow
 def test_sweep_variants_compile_without_spills_and_fit_shared_memory():
     for number, defines in gemm_bf16.SWEEP:
         step = rung(number)
@@ -74,6 +77,7 @@ def test_sweep_variants_compile_without_spills_and_fit_shared_memory():
             assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0), (number, defines)
 
 
+@pytest.mark.slow
 def test_norm_a_builds_compile_without_spills_or_serialized_wgmmas():
     """Rungs 4 and 5 with the RMSNorm on A (what `gemm(norm_weight=...)` compiles): no spills,
     A from registers into wgmma, ptxas not serializing the wgmmas (its C7513 note, which
@@ -98,6 +102,7 @@ def test_norm_a_builds_compile_without_spills_or_serialized_wgmmas():
 
 
 @pytest.mark.parametrize("b_kmajor", [0, 1])
+@pytest.mark.slow
 def test_fused_epilogues_compile_without_spills_with_two_mufu_ops_a_value(b_kmajor):
     """Rung 4's bias/activation/residual combinations: no spills at the 168-register cap, and the
     activations evaluated branch-free: one ex2 and one reciprocal per value (128 per thread:
@@ -443,6 +448,7 @@ print(json.dumps(found))
 """
 
 
+@pytest.mark.slow
 def test_every_triton_config_fits_the_shared_memory_of_an_h100():
     # Compiled for sm_90 on any machine: a config over the limit would be skipped by the
     # autotuner without a word, and fail when asked for by name.

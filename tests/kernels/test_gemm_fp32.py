@@ -23,6 +23,7 @@ def test_every_source_file_is_a_rung_numbered_in_order_and_says_what_it_changed(
         assert re.search(r"Predicted", r.source.read_text()), f"{r.source.name} predicts nothing"
 
 
+@pytest.mark.slow
 def test_every_sweep_point_compiles_for_sm90a_within_its_register_cap():
     for number, defines in SWEEP:
         found = resources(compile_cuda(rung(number).source, arch="sm_90a", defines=defines))["sgemm"]
@@ -30,6 +31,7 @@ def test_every_sweep_point_compiles_for_sm90a_within_its_register_cap():
     assert {number for number, _ in SWEEP} == {8, 9}
 
 
+@pytest.mark.slow
 def test_the_async_rungs_do_not_spill():
     # Rung 9 has no staging registers; a spill in what ships would be timed as a slow kernel
     # instead of being fixed (sweep points may spill: the sweep shows what that costs).

@@ -213,6 +213,7 @@ _COMPILE_SM90 = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 def test_every_config_compiles_for_sm90_to_tma_and_wgmma_within_shared_memory():
     # A config over the 227 KB would be skipped by the autotuner without a word.
     done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, timeout=600)

@@ -68,6 +68,7 @@ def test_norm_kernel_matches_float64_with_whole_rows_in_registers(shape, kind, w
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("kind,with_bias", NORMS, ids=["rms", "layer+bias", "layer"])
+@pytest.mark.slow
 def test_norm_kernel_matches_float64_when_rows_loop_over_chunks(kind, with_bias, with_residual, dtype, nan_outputs):
     config = norm_config(1000, block_size=128)
     assert config.looped and config.block_h == 128  # 8 chunks, the last one 104 long

@@ -56,6 +56,7 @@ CASES = [(13, 256, 1, SMALL), (9, 48, 2, SMALL), (21, 160, 3, {**SMALL, "BLOCK_M
 
 
 @pytest.mark.parametrize("m, k, batches, config", CASES, ids=str)
+@pytest.mark.slow
 def test_kernel_matches_float64_under_the_interpreter(m, k, batches, config, nan_outputs):
     inputs = _inputs(m, k, batches)
     assert_matches(nvfp4_batched_gemv(*inputs, config=config), *inputs)
@@ -63,6 +64,7 @@ def test_kernel_matches_float64_under_the_interpreter(m, k, batches, config, nan
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("m, k, batches, config", CASES[1:3], ids=str)
+@pytest.mark.slow
 def test_nothing_past_k_is_read(m, k, batches, config, device):
     """Operands as rows of wider buffers padded with code 7 (6.0) and scale 0x7F (NaN on the GPU;
     the interpreter decodes it as 480): a read past K that is not masked to zero shows in c."""
@@ -83,6 +85,7 @@ def test_the_default_tile_under_the_interpreter(nan_outputs):
     assert_matches(nvfp4_batched_gemv(*inputs), *inputs)
 
 
+@pytest.mark.slow
 def test_every_code_at_every_nibble_position():
     """Row r of a holds one nonzero code, at k = r % 128: (r + r // 128) % 16, so every code (the
     two zeros included) sits at every nibble position. Batch l's b has code (k + 5 l) % 16 at k
@@ -182,6 +185,7 @@ class OurNvfp4(torch.nn.Module):
         return nvfp4_batched_gemv(*inputs)
 
 
+@pytest.mark.slow
 def test_problem_file_passes_gate_1_with_our_kernel(cpu, cpu_ceilings, fast_timing):
     from kforge.harness.evaluate import evaluate
     from kforge.harness.problem import load_problem
@@ -245,6 +249,7 @@ def _compile_sm90(which: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_default_tile_compiles_for_sm90_as_designed():
     (kernel,) = _compile_sm90("defaults").values()
     # 16-byte loads of a's words, no spills, no int -> float conversion (codes are read as floats),

@@ -171,6 +171,7 @@ def test_plan_config_overrides_are_checked():
 
 @pytest.mark.parametrize("config", [SPLIT, WHOLE], ids=["split", "whole"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.slow
 def test_decode_on_ragged_lengths_around_page_and_partition_boundaries(dtype, config, nan_buffers):
     # 1, page-1, page, page+1, several pages, and lengths not multiples of the partition (32)
     lengths = [1, 15, 16, 17, 50, 64, 77]
@@ -257,6 +258,7 @@ def test_decode_and_append_take_an_empty_batch():
     torch.testing.assert_close(paged.k_cache, before, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.slow
 def test_property_paged_decode_equals_dense_attention_on_random_configurations(nan_buffers):
     rng = random.Random(2024)
     for case in range(24):

@@ -34,6 +34,7 @@ def _distinct(shape, dtype, device="cpu", seed=5):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape,k,chunk", CASES, ids=str)
+@pytest.mark.slow
 def test_topk_equals_torch_topk_on_distinct_values(shape, k, chunk, dtype, nan_outputs):
     x = _distinct(shape, dtype)
     values, indices = topk_forward(x, k, chunk=chunk)
@@ -43,6 +44,7 @@ def test_topk_equals_torch_topk_on_distinct_values(shape, k, chunk, dtype, nan_o
 
 
 @pytest.mark.parametrize("chunk", [None, 64])
+@pytest.mark.slow
 def test_sorted_rows_put_the_top_k_in_one_chunk_or_spread_it_over_all(chunk):
     x = torch.arange(1000, dtype=torch.float32).repeat(2, 1)
     x[1] = x[1].flip(0)
@@ -59,6 +61,7 @@ def test_values_one_bit_apart_resolve_at_the_last_byte():
     assert torch.equal(values, expected_values) and torch.equal(indices, expected_indices)
 
 
+@pytest.mark.slow
 def test_ties_give_exactly_the_largest_values_smaller_indices_first():
     x = torch.randint(0, 4, (3, 700), generator=torch.Generator().manual_seed(1)).float()
     values, indices = topk_forward(x, 50, chunk=128)

@@ -75,12 +75,14 @@ MMA_CASES = [(3, 45, 640, 128, {**MMA, "SPLIT_K": 2}), (17, 20, 256, 128, {**MMA
 
 
 @pytest.mark.parametrize("m, n, k, group, config", GEMV_CASES + MMA_CASES, ids=str)
+@pytest.mark.slow
 def test_kernels_match_float64_under_the_interpreter(m, n, k, group, config, nan_outputs):
     x, qweight, scales = _inputs(m, n, k, group)
     assert_matches(w4a16_matmul(x, qweight, scales, group, config=config), x, qweight, scales, group)
 
 
 @pytest.mark.parametrize("m, group", [(1, 128), (3, 128), (17, 128), (32, 128), (3, 64)], ids=str)
+@pytest.mark.slow
 def test_the_default_path_for_each_batch(m, group, nan_outputs):
     """M <= 2: the GEMV; more: the tensor cores, or the GEMV two rows at a time for a group they cannot take."""
     x, qweight, scales = _inputs(m, 21, 256, group, seed=m)
@@ -200,6 +202,7 @@ class OurW4A16(torch.nn.Module):
         return w4a16_matmul(x, qweight, scales, 128)
 
 
+@pytest.mark.slow
 def test_problem_file_passes_gate_1_with_our_kernel(cpu, cpu_ceilings, fast_timing):
     from kforge.harness.evaluate import evaluate
     from kforge.harness.problem import load_problem
@@ -279,6 +282,7 @@ def _compile_sm90(which: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_default_tiles_compile_for_sm90_as_designed():
     found = _compile_sm90("defaults")
     for label, kernel in found.items():
@@ -335,6 +339,7 @@ def test_the_one_token_cuda_kernel_compiles_for_sm90_as_designed():
 
 
 @pytest.mark.parametrize("rows, per_weight", [(2, 2.9), (4, 2.7)])
+@pytest.mark.slow
 def test_the_bulk_fed_kernel_compiles_for_sm90_as_designed(rows, per_weight):
     """w4a16_gemv_bulk.cu: W and its scales arrive by bulk copies (UBLKCP) and the consumers'
     inner loop reads shared memory only (no global loads): per 16-byte unit, x's 32 prescaled
@@ -359,6 +364,7 @@ def test_the_bulk_fed_kernel_compiles_for_sm90_as_designed(rows, per_weight):
 
 
 @pytest.mark.parametrize("m_tiles, n_tiles, per_weight", [(2, 2, 2.7), (2, 4, 3.4), (4, 1, 2.3)])
+@pytest.mark.slow
 def test_the_few_token_mma_kernel_compiles_for_sm90_as_designed(m_tiles, n_tiles, per_weight):
     """w4a16_mma.cu's loop (two chunks of 128 k, taking turns): per chunk and m-tile, 8 k16 steps of
     NT bf16 mma.sync; the weights decoded without a conversion (one LOP3 and one bf16x2 FMA a pair,

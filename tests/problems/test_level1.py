@@ -34,6 +34,7 @@ def test_problem_declares_its_cost_tolerance_tiny_size_and_level(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_solution_passes_gate_1_at_the_tiny_size_on_a_cpu(name, cpu, cpu_ceilings):
     solution = SOLUTIONS / f"{name}.py"
     if not solution.is_file():

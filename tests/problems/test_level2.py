@@ -63,6 +63,7 @@ def test_w4a16_reference_dequantizes_as_the_int4_format_says():
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_solution_passes_gate_1_at_the_tiny_size_on_a_cpu(name, cpu, cpu_ceilings):
     if _missing_kernel(name):
         pytest.skip(f"{_missing_kernel(name)} is not in the tree yet")

@@ -60,6 +60,7 @@ def test_mlp_stack_figures_by_hand():
 
 @pytest.mark.skipif(not interpreter_active(), reason="runs the Triton kernels under the interpreter")
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_solution_passes_gate_1_at_the_tiny_size(name, cpu, cpu_ceilings):
     record = evaluate(PROBLEMS / f"{name}.py", SOLUTIONS / f"{name}.py", device=cpu, ceilings=cpu_ceilings,
                       timing=ONE_ROUND)

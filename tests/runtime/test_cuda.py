@@ -33,6 +33,7 @@ def source(tmp_path):
     return path
 
 
+@pytest.mark.slow
 def test_every_kernel_source_in_the_package_compiles_for_sm90a():
     assert len(ALL_SOURCES) >= 9
     for path in ALL_SOURCES:

@@ -31,6 +31,7 @@ def listing(cubin):
     return sass_control.instructions(cubin, KERNEL)
 
 
+@pytest.mark.slow
 def test_the_dump_matches_the_kernels_bytes_in_the_elf(cubin, listing):
     offset, size = sass_control.text_section(cubin.code, KERNEL)
     assert len(listing) * 16 == size
@@ -54,6 +55,7 @@ def test_the_promotion_is_four_runs_of_ffmas_on_one_factor_each(listing):
 
 
 @pytest.mark.parametrize("style, every", [("reuse", None), ("yield", 1), ("yield-every-4", 4)])
+@pytest.mark.slow
 def test_a_rewrite_changes_only_the_ffmas_yield_and_reuse_bits(cubin, listing, style, every):
     rewritten = sass_control.instructions(sass_control.rewrite_promotion(cubin, KERNEL, style), KERNEL)
     assert len(rewritten) == len(listing)
@@ -97,12 +99,14 @@ def test_runs_stop_at_branch_targets_predicates_and_immediates():
         sass_control.promotion_runs(listing)
 
 
+@pytest.mark.slow
 def test_the_timing_only_build_has_no_promotion_to_rewrite():
     """PROMOTE_TIMING=3 multiplies by an immediate: nothing for the reuse cache to keep."""
     timing = compile_cuda(SOURCE, arch="sm_90a", defines={"STAGES": 4, "BN": 256, "CLUSTER_M": 2, "PROMOTE_TIMING": 3})
     assert sass_control.promotion_runs(sass_control.instructions(timing, KERNEL)) == []
 
 
+@pytest.mark.slow
 def test_a_rewrite_is_cached_on_disk_until_the_rewriter_changes(cubin, monkeypatch):
     first = sass_control.rewrite_promotion(cubin, KERNEL, "yield-every-8")
     again = sass_control.rewrite_promotion(cubin, KERNEL, "yield-every-8")
@@ -117,6 +121,7 @@ def test_ptxas_style_is_the_cubin_itself_and_unknown_styles_are_refused(cubin):
         sass_control.rewrite_promotion(cubin, KERNEL, "fast")
 
 
+@pytest.mark.slow
 def test_a_rewritten_cubin_has_its_own_cache_key(cubin):
     rewritten = sass_control.rewrite_promotion(cubin, KERNEL, "reuse")
     assert rewritten.key != cubin.key and rewritten.code != cubin.code
@@ -129,6 +134,7 @@ def test_an_instruction_that_yields_keeps_no_operand(listing):
     assert ffma.with_control(yields=False, reuse=0b0010).reuse == 0b0010
 
 
+@pytest.mark.slow
 def test_wrong_kernels_and_files_and_stale_dumps_are_refused(cubin, listing):
     with pytest.raises(KforgeError, match="no kernel named"):
         sass_control.instructions(cubin, "no_such_kernel")
