@@ -15,6 +15,10 @@
 #   gemv-rows   (the decode GEMV: its GPU tests and gemv_sweep.py, tiles, the one-token CUDA kernel, ceilings)
 #   quant-gemv   (the 4-bit GEMVs: their GPU tests and quant_gemv_sweep.py, CUDA variants, Triton, ceilings)
 #   harness   (the judge's tests on the GPU: hostile candidates, defences, the judge's clock and probe)
+#   gate2   (gate 2 and gate 1's precision on the GPU: KernelBench's adversarial kernels, a 3% win, an identity;
+#            KernelBench's own 23_Softmax and 1_Square_matrix_multiplication_ against hostile candidates,
+#            from KB_DIR, default .kb/KernelBench: carry it, it is not in the repository)
+#   identity-sample   (scripts/identity_sample.py on every 4th KernelBench problem of KB_LEVELS, default 1,2,3)
 #   judge-overhead   (scripts/judge_overhead.py against the tree in OLD_SRC; OVERHEAD_REPEATS, default 2)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -146,6 +150,19 @@ fi
 if [[ $parts == *" harness "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs tests/harness/test_hostile.py tests/harness/test_defences.py \
     tests/harness/test_judge_gpu.py tests/harness/test_gpu.py 2>&1 | tail -60 | tee "$out/pytest-harness-gpu.log"
+fi
+kb="${KB_DIR:-$PWD/.kb/KernelBench}"
+if [[ $parts == *" gate2 "* ]]; then
+  python3 -m pytest -q -p no:cacheprovider -rfEs tests/harness/test_gate2_gpu.py tests/harness/test_judge_gpu.py 2>&1 \
+    | tail -40 | tee "$out/pytest-gate2-gpu.log"
+  python3 -m kforge eval "$kb/level1/23_Softmax.py" tests/fixtures/candidates/softmax_of_zeros.py --no-save \
+    --time-budget 2 2>&1 | tee "$out/eval-kb-softmax-of-zeros.txt"
+  python3 -m kforge eval "$kb/level1/1_Square_matrix_multiplication_.py" tests/fixtures/candidates/matmul_fp16.py \
+    --no-save --time-budget 2 2>&1 | tee "$out/eval-kb-matmul-fp16.txt"
+fi
+if [[ $parts == *" identity-sample "* ]]; then
+  python3 scripts/identity_sample.py "$kb" "$out" --levels "${KB_LEVELS:-1,2,3}" --budget "${KB_BUDGET:-2}" 2>&1 \
+    | tee "$out/identity-sample.txt"
 fi
 if [[ $parts == *" judge-overhead "* ]]; then
   python3 scripts/judge_overhead.py "${OLD_SRC:?set OLD_SRC to the src folder of the tree to compare with}" "$out" \

@@ -62,6 +62,18 @@ def fast_timing():
     return TimingConfig(warmup_s=0.0, min_warmup_calls=1, min_reps=5, budget_s=0.3)
 
 
+def scripted_timing(speedup: float, reference_ms: float = 2.0, budget_s: float = 5.0) -> TimingConfig:
+    """Gate 2 on known timings: every reference call takes `reference_ms`, every candidate
+    call `reference_ms / speedup`, give or take a deterministic 0.2%. A shared CPU's real
+    timings would make any speed assertion flaky (and prove nothing)."""
+    def script(name: str, round_index: int) -> float:
+        jitter = 1.0 + 0.001 * ((round_index * 7 + len(name)) % 5 - 2)
+        return (reference_ms if name != "candidate" else reference_ms / speedup) * jitter
+
+    return TimingConfig(warmup_s=0.0, min_warmup_calls=1, min_reps=30, min_time_s=0.0, budget_s=budget_s,
+                        script=script)
+
+
 @pytest.fixture
 def write(tmp_path):
     """write("name.py", source) -> path: a candidate or problem file, dedented."""

@@ -1,9 +1,9 @@
 """The `kforge` command. It only parses and formats: the work is in the Python API.
 
 Exit status of `kforge eval`: 0 both gates passed; 1 a gate failed (incorrect, slower,
-faster than the hardware allows, or rejected by a defence); 2 the input is unusable (a
-missing or malformed file, a constructor mismatch, an exception, a crash, out of
-memory, a CUDA error or a time limit while building or running). 3 means kforge itself
+not measurably faster (tie), faster than the hardware allows, or rejected by a defence);
+2 the input is unusable (a missing or malformed file, a constructor mismatch, an
+exception, a crash, out of memory, a CUDA error or a time limit while building or running). 3 means kforge itself
 failed: that is a bug. `kforge suite` exits 0 when every pair passed, else 1 (with
 --require-fast-1 X: 0 when fast_1 >= X). Usage errors (an unknown option, a bad value)
 exit 2 with one `error: ...` line, as unusable inputs do.
@@ -170,6 +170,22 @@ class Baseline(str, Enum):
     compile = "compile"
 
 
+STAGE_TIMEOUT_HELP = ("Seconds each stage (load, gate 1, gate 2) may take before the workers are killed and the "
+                      "record says `timeout` and the stage (gate 2: this plus --time-budget). "
+                      "Default: 600, 600, 3x the budget + 300.")
+MIN_SPEEDUP_HELP = ("The bar the lower end of the speedup's 95% interval must clear for PASSED "
+                    "(default: 1 + the noise floor the A/A rounds measure, at least 1%).")
+
+
+def stage_limits(stage_timeout: float | None, time_budget: float):
+    """--stage-timeout as the judge's stage limits (None: the judge's defaults)."""
+    from kforge.harness.isolation import StageLimits
+
+    if stage_timeout is None:
+        return StageLimits()
+    return StageLimits(load_s=stage_timeout, gate1_s=stage_timeout, gate2_s=stage_timeout + time_budget)
+
+
 class Size(str, Enum):
     full = "full"
     tiny = "tiny"
@@ -184,6 +200,8 @@ def eval_command(
                                       "run eagerly, or torch.compile of it."),
     trials: int = typer.Option(5, min=5, help="Gate 1 trials, each on fresh random inputs."),
     time_budget: float = typer.Option(10.0, min=0.1, help="Seconds of timed rounds at most (gate 2)."),
+    stage_timeout: float = typer.Option(None, min=1.0, help=STAGE_TIMEOUT_HELP, show_default=False),
+    min_speedup: float = typer.Option(None, min=0.0, help=MIN_SPEEDUP_HELP, show_default=False),
     size: Size = typer.Option(None, help="Problem size: full, tiny (its tiny_sizes) or auto. "
                               "Default: full on a GPU, auto on a CPU.", show_default=False),
     seed: int = typer.Option(None, help="Run seed, to reproduce a run (default: secret and random; "
@@ -198,8 +216,9 @@ def eval_command(
 ) -> None:
     """Evaluate CANDIDATE against PROBLEM: gate 1 (correct), gate 2 (faster), % of roofline.
 
-    Exit status: 0 both gates passed; 1 a gate failed (incorrect, slower, or refused by a
-    defence); 2 an unusable input (a missing or broken file, a crash, a time limit) or a
+    Exit status: 0 both gates passed; 1 a gate failed (incorrect, slower, a tie: not
+    measurably faster, or refused by a defence); 2 an unusable input (a missing or broken
+    file, a crash, a time limit) or a
     usage error; 3 a bug in kforge.
     """
     from kforge.harness.evaluate import evaluate
@@ -210,9 +229,14 @@ def eval_command(
 
     results = results or default_results("kforge-results.jsonl")
     options = dict(baseline=baseline.value, trials=trials, timing=TimingConfig(budget_s=time_budget),
-                   size=size.value if size else None, command=shlex.join(["kforge", *sys.argv[1:]]))
+                   size=size.value if size else None, command=shlex.join(["kforge", *sys.argv[1:]]),
+                   min_speedup=min_speedup)
     if seed is not None and not in_process:
         raise KforgeError("--seed needs --in-process: a worker draws its own secret seed")
+    if stage_timeout is not None and in_process:
+        raise KforgeError("--stage-timeout needs a worker to kill: it cannot be used with --in-process")
+    if not in_process:
+        options["limits"] = stage_limits(stage_timeout, time_budget)
     with working(f"evaluating {candidate.name} against {problem.name}", json_output):
         if in_process:
             record = evaluate(problem, candidate, seed=seed, **options)
@@ -284,9 +308,8 @@ def suite_command(
                                            "against each; a table and scores for each)."),
     time_budget: float = typer.Option(10.0, min=0.1, help="Seconds of timed rounds per pair at most."),
     size: Size = typer.Option(None, help="Problem size (default: full on a GPU, auto on a CPU).", show_default=False),
-    stage_timeout: float = typer.Option(None, min=1.0, help="Seconds each stage (load, gate 1, gate 2) may take "
-                                        "before its worker is killed. Default: 600, 600, 3x the budget + 300.",
-                                        show_default=False),
+    stage_timeout: float = typer.Option(None, min=1.0, help=STAGE_TIMEOUT_HELP, show_default=False),
+    min_speedup: float = typer.Option(None, min=0.0, help=MIN_SPEEDUP_HELP, show_default=False),
     json_output: bool = typer.Option(False, "--json", help="Print the scores and rows as JSON."),
     require_fast_1: float = typer.Option(None, "--require-fast-1", min=0.0, max=1.0, help="For CI: exit 0 when "
                                          "fast_1 (the share of pairs correct and faster than the baseline) is at "
@@ -307,7 +330,6 @@ def suite_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
-    from kforge.harness.isolation import StageLimits
     from kforge.harness.suite import ResultStore, run_suite
     from kforge.harness.timing import TimingConfig
     from kforge.views import suite_view
@@ -327,8 +349,8 @@ def suite_command(
         task = progress.add_task("suite", total=len(pairs) * len(baselines))
         for against in baselines:
             options = dict(baseline=against, timing=TimingConfig(budget_s=time_budget),
-                           size=size.value if size else None,
-                           limits=StageLimits(stage_timeout, stage_timeout, stage_timeout) if stage_timeout else None)
+                           size=size.value if size else None, min_speedup=min_speedup,
+                           limits=stage_limits(stage_timeout, time_budget))
             summaries[against] = run_suite(
                 pairs, store, slots=slots, device_name=device_name, force=force, options=options,
                 on_start=lambda pair, gpu, against=against: progress.update(

@@ -18,6 +18,7 @@ VERDICT_STYLE = {
     "not_run": ("NOT RUN", "dim"),
     "incorrect": ("INCORRECT", "bold red"),
     "slower": ("SLOWER", "bold yellow"),
+    "tie": ("TIE", "bold yellow"),  # not measurably different from the reference
     "faster_than_hardware": ("FASTER THAN HARDWARE", "bold red"),
     "rejected": ("REJECTED", "bold red"),
     "candidate_error": ("CANDIDATE ERROR", "bold red"),
@@ -106,9 +107,12 @@ def eval_view(record: dict, results_path: str | None = None, verbose: bool = Fal
     gate2 = record.get("gate2")
     if gate2:
         ref, cand = gate2["stats"]["reference"], gate2["stats"]["candidate"]
-        detail = (f"speedup {gate2['speedup']:.3f}x · reference ({record['baseline']}) {fmt_ms(ref['median_ms'])} · "
-                  f"candidate {fmt_ms(cand['median_ms'])} · medians of {cand['n']} interleaved calls "
-                  f"(rse {_rse(ref)} / {_rse(cand)}, stopped on {gate2['stop_reason']})")
+        verdict = gate2.get("verdict") or {}
+        interval = (f" (95% interval {verdict['low']:.3f}-{verdict['high']:.3f}x, noise floor "
+                    f"{100 * verdict['noise_floor']:.1f}%)" if verdict else "")
+        detail = (f"speedup {gate2['speedup']:.3f}x{interval} · reference ({record['baseline']}) "
+                  f"{fmt_ms(ref['median_ms'])} · candidate {fmt_ms(cand['median_ms'])} · {cand['n']} interleaved "
+                  f"rounds (rse {_rse(ref)} / {_rse(cand)}, stopped on {gate2['stop_reason']})")
         table.add_row("gate 2  faster", _pass(gate2["passed"]), detail)
     else:
         table.add_row("gate 2  faster", _pass(None), "")
@@ -224,8 +228,8 @@ def ladder_view(rows, *, title: str, library: str, results_path: str | None) -> 
         table.add_column(column, justify="left" if column in ("rung", "status") else "right")
     for row in rows:
         label, style = VERDICT_STYLE.get(row.status, (row.status.upper(), "dim"))
-        if row.status == "slower":
-            label, style = "correct, slower", "yellow"  # gate 1 passed; how much slower: the % column
+        if row.status in ("slower", "tie"):
+            label, style = f"correct, {row.status}", "yellow"  # gate 1 passed; how much slower: the % column
         table.add_row(row.label, Text(label, style=style), fmt_ms(row.ms), _num(row.gflops, "{:,.0f}"),
                       fmt_pct(row.pct_library), fmt_pct(row.pct_peak),
                       _num(row.step_speedup, "{:.2f}x"))
@@ -235,7 +239,7 @@ def ladder_view(rows, *, title: str, library: str, results_path: str | None) -> 
         parts.append(Text(f"{library}: median {fmt_ms(library_ms[len(library_ms) // 2])} over the rungs' runs "
                           "(timed interleaved with each rung)", style="dim"))
     for row in rows:
-        if row.status not in ("slower", "passed") and row.reason:
+        if row.status not in ("slower", "tie", "passed") and row.reason:
             parts.append(Text(f"{row.label}: {row.reason}", style="red"))
     if results_path:
         parts.append(Text(f"records appended to {results_path}", style="dim"))
@@ -252,7 +256,7 @@ def bench_view(rows, *, title: str, baseline: str, results_path: str | None) -> 
     for column in [*(f"{m} TFLOP/s" for m in methods), f"{baseline} TFLOP/s", *(f"{m} / {baseline}" for m in methods)]:
         table.add_column(column, justify="right")
     for r in rows:
-        cells = [_num(r.tflops.get(m), "{:,.0f}") if r.status.get(m) in ("passed", "slower") else
+        cells = [_num(r.tflops.get(m), "{:,.0f}") if r.status.get(m) in ("passed", "slower", "tie") else
                  Text(r.status.get(m, "-"), style="red") for m in methods]
         table.add_row(r.shape, *cells, _num(r.tflops.get(baseline), "{:,.0f}"),
                       *(_num(r.vs_baseline.get(m), "{:.3f}x") for m in methods))
@@ -295,7 +299,7 @@ def attention_bench_view(rows, *, title: str, records: list[dict], results_path:
     for name, (full, causal) in PUBLISHED.items():
         line = f"published for scale, {name}, H100 bf16 hd 128, N 4k-16k: ~{full} TFLOP/s non-causal, ~{causal} causal"
         ours = {(r.sizes.get("CAUSAL"), r.sizes.get("N")): r.tflops.get("ours") for r in rows
-                if r.sizes.get("D") == 128 and r.status.get("ours") in ("passed", "slower")}
+                if r.sizes.get("D") == 128 and r.status.get("ours") in ("passed", "slower", "tie")}
         here = [(f"ours at N=4096: {100 * ours[(c, 4096)] / ref:.0f}% of it {mode}")
                 for c, ref, mode in ((0, full, "non-causal"), (1, causal, "causal")) if ours.get((c, 4096))]
         parts.append(Text(line + ("; " + ", ".join(here) if here else ""), style="dim"))
@@ -313,7 +317,7 @@ def serving_bench_view(rows, *, title: str, results_path: str | None) -> Group:
                    "compiled", "vs compiled", "status"):
         table.add_column(column, justify="left" if column in ("shape", "status") else "right")
     for r in rows:
-        ok = {r.status.get(b, "-") for b in ("eager", "compile")} <= {"passed", "slower"}
+        ok = {r.status.get(b, "-") for b in ("eager", "compile")} <= {"passed", "slower", "tie"}
         roof = r.pct_of_roof(r.ours_device_ms) if ok else None
         table.add_row(r.shape, f"{r.bytes / 1e6:,.1f} MB" if r.bytes else "-", fmt_ms(r.ours_ms),
                       fmt_ms(r.ours_device_ms), _num(r.gbps(r.ours_device_ms) if ok else None, "{:,.0f}"),
@@ -423,15 +427,16 @@ def _ceilings_markdown(ceilings: Ceilings) -> list[str]:
 
 def _suite_scores_markdown(suite: str, records: list[dict]) -> list[str]:
     """fast_p over the suite's problems, per baseline: the latest record of each problem counts."""
-    from kforge.harness.suite import CORRECT_STATUSES, FAST_P
+    from kforge.harness.suite import FAST_P, SuiteRow, fast
 
     out = [f"### {suite}", ""]
     for baseline in sorted({r.get("baseline", "eager") for r in records}):
         latest = {r["problem"]["name"]: r for r in records if r.get("baseline", "eager") == baseline}
-        speedups = {name: (r.get("gate2") or {}).get("speedup") if r["status"] in CORRECT_STATUSES else None
-                    for name, r in latest.items()}
-        correct = [v for v in speedups.values() if v]
-        scores = "  ".join(f"fast_{p:g} = {sum(1 for v in correct if v > p) / len(latest):.2f}" for p in FAST_P)
+        rows = [SuiteRow(name, r["status"], speedup=(r.get("gate2") or {}).get("speedup"),
+                         speedup_low=((r.get("gate2") or {}).get("verdict") or {}).get("low"))
+                for name, r in latest.items()]
+        correct = [row.speedup for row in rows if row.correct and row.speedup]
+        scores = "  ".join(f"fast_{p:g} = {sum(fast(row, p) for row in rows) / len(rows):.2f}" for p in FAST_P)
         mean = math.exp(sum(math.log(v) for v in correct) / len(correct)) if correct else None
         out += [f"Against {baseline}: {scores} ({len(correct)}/{len(latest)} correct; geometric-mean speedup of the "
                 f"correct {_num(mean, '{:.3f}x')}).", ""]
@@ -482,7 +487,7 @@ def _bench_markdown(bench: str, records: list[dict]) -> list[str]:
            "|---|---|---:|---:|---:|---|"]
     for row in bench_rows(records, BASELINE, label):
         for method in sorted(row.vs_baseline, key=lambda m: (m != "ours", m)):
-            ok = row.status[method] in ("passed", "slower")
+            ok = row.status[method] in ("passed", "slower", "tie")
             out.append(f"| {row.shape} | {method} | {_num(row.tflops.get(method) if ok else None, '{:,.0f}')} | "
                        f"{_num(row.tflops.get(BASELINE), '{:,.0f}')} | "
                        f"{_num(row.vs_baseline.get(method) if ok else None, '{:.3f}x')} | {row.status[method]} |")
@@ -554,7 +559,7 @@ def quant_bench_view(rows, *, title: str, results_path: str | None) -> Group:
                    "status"):
         table.add_column(column, justify="left" if column in ("shape", "method", "status") else "right")
     for r in rows:
-        ok = r.status in ("passed", "slower")
+        ok = r.status in ("passed", "slower", "tie")
         roof = r.pct_of_roof if ok else None
         table.add_row(r.shape, r.method, fmt_ms(r.ours_device_ms), _num(r.tflops if ok else None, "{:,.0f}"),
                       _num(r.gbps if ok else None, "{:,.0f}"),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, scripted_timing
 from kforge.harness.evaluate import evaluate
 from kforge.harness.roofline import Ceilings
 
@@ -24,11 +24,17 @@ def run(write, problem_path, cpu, cpu_ceilings, fast_timing):
 
 
 def test_a_correct_faster_candidate_passes_both_gates(run):
-    record = run("row_sums", VECTORIZED_ROW_SUMS, size="full")
+    record = run("row_sums", VECTORIZED_ROW_SUMS, size="full", timing=scripted_timing(speedup=2.0))
     assert record.status == "passed" and record.exit_status == 0, record.reason
     ref, cand = record.gate2["stats"]["reference"], record.gate2["stats"]["candidate"]
-    assert record.speedup == pytest.approx(ref["median_ms"] / cand["median_ms"])
-    assert record.speedup > 1
+    assert record.speedup == pytest.approx(2.0, rel=0.01)
+    assert ref["median_ms"] / cand["median_ms"] == pytest.approx(2.0, rel=0.01)
+    verdict = record.gate2["verdict"]
+    assert verdict["status"] == "faster" and 1.9 < verdict["low"] <= record.speedup <= verdict["high"] < 2.1
+    assert verdict["aa_ratio"] == pytest.approx(1.0, abs=0.01) and verdict["noise_floor"] >= 0.01
+    ratios = record.gate2["ratios"]
+    assert len(ratios["candidate"]) == record.gate2["rounds"] == len(ratios["reference_aa"])
+    assert record.gate2["stop_reason"] == "decided"
     assert record.gate2["clock"] == "host" and record.gate2["passed"]
     for side in ("reference", "candidate"):
         point = record.roofline[side]
@@ -39,22 +45,41 @@ def test_a_correct_faster_candidate_passes_both_gates(run):
 
 
 def test_a_correct_but_slower_candidate_fails_gate_2(run):
-    record = run("row_sums", """
-        import time, torch
-        class ModelNew(torch.nn.Module):
-            def forward(self, x):
-                time.sleep(0.005)
-                return x.sum(dim=1)
-    """)
+    record = run("row_sums", VECTORIZED_ROW_SUMS, timing=scripted_timing(speedup=0.5))
     assert record.status == "slower" and record.exit_status == 1
     assert record.gate1["passed"] and not record.gate2["passed"]
-    assert record.speedup < 1 and "not above 1" in record.reason
+    assert record.speedup == pytest.approx(0.5, rel=0.01) and "slower: 0.5" in record.reason
+
+
+def test_a_candidate_within_the_noise_floor_is_a_tie(run):
+    record = run("row_sums", VECTORIZED_ROW_SUMS, timing=scripted_timing(speedup=1.005))
+    assert record.status == "tie" and record.exit_status == 1
+    assert "not measurably different" in record.reason and "95% interval" in record.reason
+
+
+def test_min_speedup_raises_the_bar(run):
+    record = run("row_sums", VECTORIZED_ROW_SUMS, timing=scripted_timing(speedup=1.3), min_speedup=1.5)
+    assert record.status == "tie" and record.gate2["verdict"]["bar"] == 1.5, record.reason
+
+
+def test_an_undecided_tie_says_the_budget_was_too_short(run):
+    import random
+
+    from kforge.harness.timing import TimingConfig
+
+    def noisy(name, i):  # a 2% win buried in 40% noise, with half a second to find it
+        return (1.0 if name != "candidate" else 0.98) * random.Random(f"{name}/{i}").lognormvariate(0.0, 0.4)
+
+    record = run("row_sums", VECTORIZED_ROW_SUMS,
+                 timing=TimingConfig(warmup_s=0.0, min_warmup_calls=1, min_reps=5, budget_s=0.5, script=noisy))
+    assert record.status == "tie" and record.gate2["stop_reason"] == "budget"
+    assert record.gate2["verdict"]["undecided"] and any("--time-budget" in w for w in record.warnings)
 
 
 def test_metadata_that_overstates_the_work_disables_the_floor_check_with_a_warning(problem_path, cpu, fast_timing):
     absurd = Ceilings(device=cpu.name, kind="cpu", copy_gbps=1.0, matmul_tflops={"fp32": 1e-9}, measured_on="x")
     record = evaluate(problem_path("row_sums"), FIXTURES / "candidates" / "vectorized_row_sums.py", device=cpu,
-                      ceilings=absurd, timing=fast_timing, size="full")
+                      ceilings=absurd, timing=scripted_timing(speedup=2.0), size="full")
     assert record.status == "passed" and "physical_floor" not in record.defences
     assert any("reference itself runs under the physical floor" in w for w in record.warnings)
 
@@ -65,7 +90,7 @@ def test_a_reference_beating_the_measured_roof_warns_that_the_ceilings_look_low(
     low = Ceilings(device=cpu.name, kind="cpu", copy_gbps=1e-6, matmul_tflops={"fp32": 1e3}, measured_on="2026-11-21")
     record = evaluate(problem_path("row_sums"), FIXTURES / "candidates" / "vectorized_row_sums.py", device=cpu,
                       ceilings=low, timing=fast_timing, size="full")
-    assert record.status in ("passed", "slower") and "physical_floor" not in record.defences
+    assert record.status in ("passed", "tie", "slower") and "physical_floor" not in record.defences
     assert any("beat the measured roof" in w and "2026-11-21" in w for w in record.warnings)
     sane = Ceilings(device=cpu.name, kind="cpu", copy_gbps=1e6, matmul_tflops={"fp32": 1e3}, measured_on="x")
     record = evaluate(problem_path("row_sums"), FIXTURES / "candidates" / "vectorized_row_sums.py", device=cpu,

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, scripted_timing
 from kforge.harness.isolation import StageLimits, evaluate_isolated
 from kforge.harness.timing import TimingConfig
 
@@ -68,8 +68,10 @@ def test_out_of_memory_is_its_own_status(isolated):
     assert record.status == "oom" and "can't allocate memory" in record.reason
 
 
-def test_speedups_above_the_threshold_are_measured_again_in_a_fresh_worker(isolated):
-    # row_sums' reference is a Python loop: a vectorized candidate is far faster than 2x
-    record = isolated("vectorized_row_sums", problem="row_sums", remeasure_above=2.0)
-    assert record.status == "passed" and "excessive_speedup" in record.defences
-    assert any("measured twice in fresh workers" in w for w in record.warnings)
+def test_speedups_above_the_threshold_are_measured_again_in_a_fresh_worker(cpu, cpu_ceilings):
+    record = evaluate_isolated(FIXTURES / "problems" / "row_sums.py",
+                               FIXTURES / "candidates" / "vectorized_row_sums.py",
+                               timing=scripted_timing(speedup=4.0), ceilings=cpu_ceilings, size="full",
+                               device_name=cpu.name, remeasure_above=2.0)
+    assert record.status == "passed" and "excessive_speedup" in record.defences, record.reason
+    assert any("measured twice in fresh workers: 4x, then 4x" in w for w in record.warnings), record.warnings

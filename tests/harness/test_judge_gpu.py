@@ -19,7 +19,7 @@ def test_work_on_a_side_stream_passes_only_at_its_real_speed(gpu_ceilings):
     record = _judged("side_stream", gpu_ceilings)
     assert record.gate1["passed"], record.reason
     assert 0.9 < record.speedup < 1.1, record.gate2["stats"]
-    assert record.status in ("passed", "slower")
+    assert record.status in ("tie", "slower"), record.reason
 
 
 def test_a_worker_that_replies_before_the_gpu_is_done_is_caught(gpu_ceilings):
@@ -38,7 +38,7 @@ def test_a_start_event_recorded_again_is_caught_by_the_judges_clock(gpu_ceilings
 def test_an_honest_candidates_claims_sit_within_the_allowance(gpu_ceilings):
     # the reference itself, renamed: the two workers' gaps agree to well under the allowance
     record = _judged("identity_vector_add", gpu_ceilings, problem=EXAMPLES / "problems" / "vector_add.py")
-    assert record.status in ("passed", "slower"), record.reason
+    assert record.status in ("tie", "slower"), record.reason
     claims = record.gate2["claims"]
     assert abs(claims["excess_ms"]) < claims["allowed_ms"], claims
     # The same code on both sides. Measured 0.81-0.92x on the H100 (2026-11-27): the

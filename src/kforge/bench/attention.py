@@ -164,7 +164,8 @@ def save_attention_chart(rows, path: Path, *, title: str, records: Sequence[dict
                       key=lambda r: r.sizes["N"])
         for method in methods:
             points = [(r.sizes["N"], r.tflops.get(method)) for r in mine
-                      if r.tflops.get(method) and (method == BASELINE or r.status.get(method) in ("passed", "slower"))]
+                      if r.tflops.get(method) and (method == BASELINE
+                                                  or r.status.get(method) in ("passed", "slower", "tie"))]
             if points:
                 ax.plot(*zip(*points), marker="o", linewidth=2.2 if method == "ours" else 1.2, label=method)
         if roof:

@@ -31,7 +31,7 @@ from kforge.errors import KforgeError
 from kforge.harness.channel import WorkerEnd, serve
 from kforge.harness.correctness import clone_arguments, describe_output
 from kforge.harness.defences import OpRecorder
-from kforge.harness.loading import synchronize
+from kforge.harness.loading import fp32_means_fp32, synchronize
 from kforge.harness.problem import flatten_outputs
 from kforge.harness.shared import Arena, digest, rebuild, tensor_leaves
 
@@ -120,6 +120,7 @@ def main() -> int:
     def setup(**job) -> dict:
         nonlocal worker
         worker = CandidateWorker(job)
+        fp32_means_fp32()  # the reference worker's defaults: the candidate may change its own
         if not worker.device.is_cuda:
             # Two workers and the judge share the CPU: an OpenMP pool waiting for a busy core
             # costs milliseconds a call, so each worker computes on one thread.

@@ -8,7 +8,14 @@ is checked. Then:
   inputs, in which case they must end up as the reference leaves them);
 - every output must be a plain torch.Tensor (not a subclass), with the reference's
   structure, shape, dtype and device;
-- no NaN or Inf where the reference has none; every element within atol + rtol * |ref|.
+- no NaN or Inf where the reference has none; every element within atol + rtol * |ref|;
+- and ||out - ref|| / ||ref|| within the dtype's relative L2 bound (problem.DEFAULT_REL_L2).
+  An output whose reference values all lie within atol of zero is judged by that bound
+  alone: the elementwise test would pass anything as small (`x * 0` for a softmax of wide
+  rows). The comparison names the test that decided (`test`).
+Unless the problem says `precision = "as_drawn"`, the last trials run on exposing draws
+(random signs, spread magnitudes: problem.expose), where a lower precision than the
+outputs' shows; an exposing draw on which the reference itself is not finite is skipped.
 After each trial both sides' outputs are poisoned (defences.py), so a candidate that
 returns memory it never wrote is caught by the poison it finds there.
 """
@@ -39,6 +46,7 @@ class Comparison:
     max_rel_err: float = 0.0  # |out - ref| / max(|ref|, atol)
     mismatch_frac: float = 0.0
     rel_l2_err: float = 0.0  # ||out - ref|| / ||ref||
+    test: str | None = None  # the test that decided: elementwise, rel_l2, rel_l2_near_zero (or a failure's kind)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,8 +64,12 @@ class CorrectnessReport:
     max_rel_err: float = 0.0
     mismatch_frac: float = 0.0
     rel_l2_err: float = 0.0
+    rel_l2_bound: float | None = None
     failure: str | None = None
     reason: str | None = None
+    test: str | None = None  # which test failed it, or the tests it passed ("elementwise+rel_l2")
+    exposed_trials: int = 0  # of `trials`, those on exposing draws
+    exposed_skipped: int = 0  # exposing draws on which the reference was not finite
     reference_outputs: list = field(default_factory=list, repr=False)  # last trial's, not serialized
     last_inputs: list = field(default_factory=list, repr=False)
 
@@ -76,6 +88,7 @@ def check_correctness(
     seeds: Sequence[int],
     device: torch.device,
     probe_seed: int,
+    exposed_seeds: Sequence[int] = (),
 ) -> CorrectnessReport:
     # One probe call of the reference gives the outputs' shapes. Right before each call of
     # the candidate, tensors of those shapes are filled with poison and freed: a candidate
@@ -87,10 +100,12 @@ def check_correctness(
     poison_outputs(probe, reference)
     del probe
     worst = Comparison(ok=True)
-    passed = 0
+    passed = skipped = 0
     ref_out, inputs = None, []
+    seeds = list(seeds) + list(exposed_seeds)
     for trial, seed in enumerate(seeds, start=1):
-        inputs = problem.make_inputs(seed, device)
+        exposed = trial > len(seeds) - len(exposed_seeds)
+        inputs = problem.make_inputs(seed, device, exposed=exposed)
         pristine = clone_arguments(inputs)
         candidate_inputs = clone_arguments(inputs)
         with torch.no_grad():
@@ -104,24 +119,34 @@ def check_correctness(
                 check_forbidden(recorder.ops, problem.forbidden_ops)
             ref_out = problem.run_reference(reference, inputs)
             synchronize(device)
+        if exposed and not outputs_finite(ref_out):
+            skipped += 1
+            poison_outputs(ref_out, reference)
+            poison_outputs(out, candidate_model)
+            continue
 
-        result = compare_inputs(pristine, inputs, candidate_inputs, problem) or compare_outputs(ref_out, out, problem)
+        result = (compare_inputs(pristine, inputs, candidate_inputs, problem, exposed)
+                  or compare_outputs(ref_out, out, problem, exposed))
         worst = _worse(worst, result)
         if trial < len(seeds):  # the last trial's reference outputs size the roofline
             poison_outputs(ref_out, reference)
             poison_outputs(out, candidate_model)
         if not result.ok:
-            return _report(problem, ref_out, False, trial, passed, seeds, worst,
-                           f"trial {trial}: {result.reason}", result.failure)
+            where = "an exposing draw" if exposed else "trial"
+            report = _report(problem, ref_out, False, trial, passed, seeds, worst,
+                             f"{where} {trial}: {result.reason}", result.failure, result.test)
+            report.exposed_trials, report.exposed_skipped = max(0, trial - len(seeds) + len(exposed_seeds)), skipped
+            return report
         passed += 1
-    report = _report(problem, ref_out, True, len(seeds), passed, seeds, worst, None, None)
+    report = _report(problem, ref_out, True, len(seeds), passed, seeds, worst, None, None, worst.test)
+    report.exposed_trials, report.exposed_skipped = len(exposed_seeds), skipped
     report.reference_outputs = flatten_outputs(ref_out)
     report.last_inputs = inputs
     return report
 
 
 def compare_inputs(pristine: Sequence, reference_inputs: Sequence, candidate_inputs: Sequence,
-                   problem: Problem) -> Comparison | None:
+                   problem: Problem, exposed: bool = False) -> Comparison | None:
     """A failure if the candidate left its inputs otherwise than the reference did, else None.
     Inputs the reference leaves alone must come back bit for bit; inputs it changes in place
     (an in-place op such as RoPE) are results, held to the problem's tolerance like outputs:
@@ -133,7 +158,7 @@ def compare_inputs(pristine: Sequence, reference_inputs: Sequence, candidate_inp
                           + (" (beyond those the reference changes in place)" if changed else ""))
     if changed:
         mutated = compare_outputs([reference_inputs[i] for i in changed], [candidate_inputs[i] for i in changed],
-                                  problem)
+                                  problem, exposed)
         if not mutated.ok:
             return Comparison(ok=False, failure="mutated_inputs",
                               reason=f"the reference changes its inputs in place and the candidate leaves them "
@@ -141,7 +166,7 @@ def compare_inputs(pristine: Sequence, reference_inputs: Sequence, candidate_inp
     return None
 
 
-def compare_outputs(reference: object, output: object, problem: Problem) -> Comparison:
+def compare_outputs(reference: object, output: object, problem: Problem, exposed: bool = False) -> Comparison:
     refs, outs = flatten_outputs(reference), flatten_outputs(output)
     if len(refs) != len(outs) or isinstance(reference, torch.Tensor) != isinstance(output, torch.Tensor):
         return Comparison(
@@ -151,7 +176,7 @@ def compare_outputs(reference: object, output: object, problem: Problem) -> Comp
     worst = Comparison(ok=True)
     for index, (ref, out) in enumerate(zip(refs, outs)):
         label = "output" if len(refs) == 1 else f"output[{index}]"
-        result = _compare_leaf(ref, out, label, problem)
+        result = _compare_leaf(ref, out, label, problem, exposed)
         worst = _worse(worst, result)
         if not result.ok:
             stale = poisoned_elements(out) if result.failure in ("values", "nonfinite") else 0
@@ -190,7 +215,8 @@ def _claimed_leaves(claims) -> list[tuple[str, object]]:
     raise ValueError
 
 
-def compare_claimed(reference: object, claims, mailbox: Sequence[torch.Tensor], problem: Problem) -> Comparison:
+def compare_claimed(reference: object, claims, mailbox: Sequence[torch.Tensor], problem: Problem,
+                    exposed: bool = False) -> Comparison:
     """Compare the candidate's output, as its worker described it (`claims`) and copied it into
     the mailbox, with the reference's. The claims are untrusted: they can only make the
     candidate fail (a shape, dtype or type that does not match), never pass, since every
@@ -217,7 +243,8 @@ def compare_claimed(reference: object, claims, mailbox: Sequence[torch.Tensor], 
                                 reason=f"{label} is {'a ' + str(body) if kind == 'other' else repr(body)}, "
                                        "not a plain torch.Tensor")
         else:
-            result = _check_claim(ref, body, label) or compare_leaf_values(ref, mailbox[slot], label, problem)
+            result = _check_claim(ref, body, label) or compare_leaf_values(ref, mailbox[slot], label, problem,
+                                                                           exposed)
             stale = poisoned_elements(mailbox[slot]) if result.failure in ("values", "nonfinite") else 0
             if stale:
                 result.failure = "poison"
@@ -254,7 +281,7 @@ def poison_outputs(outputs: object, owner) -> None:
            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in owned)
 
 
-def _compare_leaf(ref, out, label: str, problem: Problem) -> Comparison:
+def _compare_leaf(ref, out, label: str, problem: Problem, exposed: bool = False) -> Comparison:
     if not isinstance(ref, torch.Tensor):
         ok = type(out) is type(ref) and out == ref
         return Comparison(ok=ok, failure=None if ok else "values",
@@ -270,20 +297,24 @@ def _compare_leaf(ref, out, label: str, problem: Problem) -> Comparison:
     if out.device != ref.device:
         return Comparison(ok=False, failure="device",
                           reason=f"{label} is on {out.device}, expected {ref.device}")
-    return compare_leaf_values(ref, out, label, problem)
+    return compare_leaf_values(ref, out, label, problem, exposed)
 
 
-def compare_leaf_values(ref: torch.Tensor, out: torch.Tensor, label: str, problem: Problem) -> Comparison:
-    """Elementwise, in float64: no NaN/Inf where the reference has none, every element
-    within atol + rtol * |ref|; poison left in `out` is named as such."""
+def compare_leaf_values(ref: torch.Tensor, out: torch.Tensor, label: str, problem: Problem,
+                        exposed: bool = False) -> Comparison:
+    """In float64: no NaN/Inf where the reference has none, every element within atol +
+    rtol * |ref|, the relative L2 error within its bound; an output whose reference is all
+    within atol of zero, or of an exposing draw (whose scale atol was not set for), by the
+    relative L2 bound alone (the module's docstring)."""
     atol, rtol = problem.tolerance_for(ref.dtype)
+    bound = problem.rel_l2_for(ref.dtype)
     wide = torch.complex128 if ref.is_complex() else torch.float64
     flat_ref, flat_out = ref.detach().reshape(-1), out.detach().reshape(-1)
     zero = torch.zeros((), dtype=torch.float64, device=ref.device)
     floor = atol if atol > 0 else torch.finfo(torch.float64).tiny
     nonfinite = mismatches = 0
     first_nonfinite = first_mismatch = None
-    max_abs = max_rel = diff_norm = ref_norm = 0.0
+    max_abs = max_rel = diff_norm = ref_norm = ref_max = 0.0
     # Chunk by chunk, so that the float64 temporaries (a dozen of them) stay ~COMPARE_CHUNK
     # elements each: a whole 824 MB bf16 output at once took 24 GB.
     for start in range(0, flat_ref.numel(), COMPARE_CHUNK):
@@ -306,6 +337,7 @@ def compare_leaf_values(ref: torch.Tensor, out: torch.Tensor, label: str, proble
         max_rel = max(max_rel, float((diff / r.abs().clamp_min(floor)).where(both, zero).max()))
         diff_norm = math.hypot(diff_norm, float(torch.linalg.vector_norm(diff)))
         ref_norm = math.hypot(ref_norm, float(torch.linalg.vector_norm(r.abs().where(both, zero))))
+        ref_max = max(ref_max, float(r.abs().where(ref_finite, zero).max()) if r.numel() else 0.0)
     if nonfinite:
         return Comparison(
             ok=False, failure="nonfinite",
@@ -313,21 +345,44 @@ def compare_leaf_values(ref: torch.Tensor, out: torch.Tensor, label: str, proble
                    f"(first at {_unravel(first_nonfinite, ref.shape)})",
         )
     numel = flat_ref.numel()
+    rel_l2 = diff_norm / ref_norm if ref_norm > 0 else (0.0 if diff_norm == 0 else math.inf)
     result = Comparison(
-        ok=mismatches == 0,
+        ok=True,
         max_abs_err=max_abs,
         max_rel_err=max_rel,
         mismatch_frac=mismatches / numel if numel else 0.0,
-        rel_l2_err=diff_norm / ref_norm if ref_norm > 0 else (0.0 if diff_norm == 0 else math.inf),
+        rel_l2_err=rel_l2,
+        test="elementwise" if bound is None else "elementwise+rel_l2",
     )
-    if not result.ok:
-        result.failure = "values"
+    near_zero = bound is not None and ref_norm > 0 and ref_max <= atol
+    if near_zero or (exposed and bound is not None):
+        # every reference value is within atol of zero, or the draw's scale is not the one
+        # atol was set for: only the relative error can tell
+        result.test = "rel_l2_near_zero" if near_zero else "rel_l2_exposed"
+        if rel_l2 > bound:
+            why = (f"every reference value is within atol={atol:g} of zero, so only the relative error tells"
+                   if near_zero else "on inputs with random signs and spread magnitudes: a lower precision?")
+            result.ok, result.failure = False, "values"
+            result.reason = f"{label}: relative L2 error {rel_l2:.3g} over the bound {bound:g} ({why})"
+    elif mismatches:
+        result.ok, result.failure, result.test = False, "values", "elementwise"
         result.reason = (
             f"{label}: {100 * result.mismatch_frac:.3g}% of elements outside atol={atol:g}, rtol={rtol:g} "
             f"(max abs err {result.max_abs_err:.3g}; at {_unravel(first_mismatch, ref.shape)} got "
             f"{flat_out[first_mismatch].to(wide).item():.6g}, expected {flat_ref[first_mismatch].to(wide).item():.6g})"
         )
+    elif bound is not None and rel_l2 > bound:
+        result.ok, result.failure, result.test = False, "values", "rel_l2"
+        result.reason = (f"{label}: relative L2 error {rel_l2:.3g} over the bound {bound:g} for {ref.dtype} "
+                         f"(every element within atol={atol:g}, rtol={rtol:g}): computed in a lower precision?")
     return result
+
+
+def outputs_finite(outputs: object) -> bool:
+    """Are all of the reference's floating outputs finite? (An exposing draw on which they
+    are not is outside the problem's domain: it is skipped.)"""
+    return all(bool(torch.isfinite(t).all()) for t in flatten_outputs(outputs)
+               if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
 
 
 def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:
@@ -376,6 +431,7 @@ def _worse(a: Comparison, b: Comparison) -> Comparison:
     """Keep the worst error figures seen across outputs and trials."""
     return Comparison(
         ok=a.ok and b.ok,
+        test=b.test or a.test,
         max_abs_err=max(a.max_abs_err, b.max_abs_err),
         max_rel_err=max(a.max_rel_err, b.max_rel_err),
         mismatch_frac=max(a.mismatch_frac, b.mismatch_frac),
@@ -383,9 +439,11 @@ def _worse(a: Comparison, b: Comparison) -> Comparison:
     )
 
 
-def _report(problem, ref_out, passed, trials, trials_passed, seeds, worst: Comparison, reason, failure):
+def _report(problem, ref_out, passed, trials, trials_passed, seeds, worst: Comparison, reason, failure,
+            test=None):
     first_tensor = next((x for x in flatten_outputs(ref_out) if isinstance(x, torch.Tensor)), None)
     atol, rtol = problem.tolerance_for(first_tensor.dtype) if first_tensor is not None else (0.0, 0.0)
+    bound = problem.rel_l2_for(first_tensor.dtype) if first_tensor is not None else None
     return CorrectnessReport(
         passed=passed,
         trials=trials,
@@ -397,6 +455,8 @@ def _report(problem, ref_out, passed, trials, trials_passed, seeds, worst: Compa
         max_rel_err=worst.max_rel_err,
         mismatch_frac=worst.mismatch_frac,
         rel_l2_err=worst.rel_l2_err,
+        rel_l2_bound=bound,
         failure=failure,
         reason=reason,
+        test=test,
     )

@@ -21,6 +21,7 @@ processes. Nothing here prints.
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 from collections.abc import Callable
 from dataclasses import asdict
@@ -39,6 +40,7 @@ from kforge.harness.problem import SIZES, Problem, load_problem
 from kforge.harness.record import EvalRecord
 from kforge.harness.roofline import Ceilings, Roofline, get_ceilings, roofline_for
 from kforge.harness.timing import TimingConfig, TimingRun, time_interleaved
+from kforge.harness.verdict import Verdict, judge_speed, paired_ratios
 from kforge.runtime.interpreter import interpreter_active, mend_interpreter
 
 BASELINES = ("eager", "compile")
@@ -59,6 +61,7 @@ STATUS_OF_DEFENCE = {
     "harness_integrity": "rejected",
     "forbidden_op": "rejected",
 }
+AA = "reference_aa"  # the reference timed again each round: the A/A pair that measures the noise floor
 CEILING_DOUBT = 0.9  # a reference faster than 1/0.9 of the measured roof casts doubt on the ceilings
 GATE1_FAILURE_DEFENCE = {"output_type": "plain_tensor", "mutated_inputs": "input_clones", "poison": "poison"}
 
@@ -78,20 +81,22 @@ def evaluate(
     ceilings: Ceilings | None = None,
     command: str | None = None,
     on_stage: Stage | None = None,
+    min_speedup: float | None = None,
 ) -> EvalRecord:
     """Evaluate `candidate` against `problem` on `device` (default: the GPU if any, else CPU).
 
     size: "full", "tiny" or "auto" (tiny if the problem defines tiny_sizes); default
     "full" on a GPU and "auto" elsewhere. `on_stage(name)` is told when each stage
-    begins ("load", "gate1", "gate2"). Raises KforgeError only for arguments that make
+    begins ("load", "gate1", "gate2"). `min_speedup`: the bar the speedup's 95% interval
+    must clear for "passed" (default: 1 + the measured noise floor). Raises KforgeError only for arguments that make
     no sense (a missing file, an unknown baseline); everything the problem or the
     candidate does wrong comes back as a record with an error status.
     """
-    check_arguments(problem, candidate, baseline, trials, size)
+    check_arguments(problem, candidate, baseline, trials, size, min_speedup)
     device = device or current_device()
     seed = secrets.randbits(63) if seed is None else seed
     stage = on_stage or (lambda _name: None)
-    run = _Run(device, seed, baseline)
+    run = _Run(device, seed, baseline, min_speedup)
     run.base.update(problem=identity(problem), candidate=identity(candidate), command=command)
     run.base["pair_key"] = pair_key(run.base["problem"]["sha256"], run.base["candidate"]["sha256"], baseline,
                                     size, device.name)
@@ -125,8 +130,11 @@ def evaluate(
                 pass  # after a CUDA error the context is lost; the worker exits anyway
 
 
-def check_arguments(problem, candidate, baseline: str, trials: int, size: str | None) -> None:
+def check_arguments(problem, candidate, baseline: str, trials: int, size: str | None,
+                    min_speedup: float | None = None) -> None:
     """Refuse, before any work, arguments that make no sense (KforgeError: exit status 2)."""
+    if min_speedup is not None and not (math.isfinite(min_speedup) and min_speedup > 0):
+        raise KforgeError(f"--min-speedup must be a positive number, got {min_speedup}")
     if baseline not in BASELINES:
         raise KforgeError(f"unknown baseline {baseline!r} (expected one of {', '.join(BASELINES)})")
     if trials < MIN_TRIALS:
@@ -141,8 +149,8 @@ def check_arguments(problem, candidate, baseline: str, trials: int, size: str | 
 class _Run:
     """One evaluation's fixed facts, and the records it can end in."""
 
-    def __init__(self, device: DeviceInfo, seed: int, baseline: str):
-        self.device, self.seed, self.baseline = device, seed, baseline
+    def __init__(self, device: DeviceInfo, seed: int, baseline: str, min_speedup: float | None = None):
+        self.device, self.seed, self.baseline, self.min_speedup = device, seed, baseline, min_speedup
         self.base = dict(device=device.to_dict(), versions=library_versions(), baseline=baseline, seed=seed)
         self.warnings: list[str] = []
         self.defences: list[str] = []
@@ -166,7 +174,8 @@ class _Run:
         watch = ThreadWatch(candidate.path, threads_before)
         with watch:
             gate1 = check_correctness(problem, reference, candidate, candidate_model, seeds, dev,
-                                      probe_seed=derive_seed(self.seed, "probe"))
+                                      probe_seed=derive_seed(self.seed, "probe"),
+                                      exposed_seeds=exposed_seeds(self.seed, problem.exposed_trials))
         integrity.check()
         if not gate1.passed:
             fired = [GATE1_FAILURE_DEFENCE[gate1.failure]] if gate1.failure in GATE1_FAILURE_DEFENCE else []
@@ -181,8 +190,9 @@ class _Run:
         integrity.check()
         ceilings = ceilings or get_ceilings(self.device)
         roof = _roofline(problem, reference, gate1, ceilings)
-        status, reason = gate2_verdict(run, roof, ceilings, self.baseline, self.warnings, self.defences)
-        return self.record(status, reason, gate1=gate1.to_dict(), gate2=gate2_fields(status, run),
+        verdict = speed_verdict(run, self.min_speedup)
+        status, reason = gate2_verdict(run, roof, ceilings, self.baseline, self.warnings, self.defences, verdict)
+        return self.record(status, reason, gate1=gate1.to_dict(), gate2=gate2_fields(status, run, verdict),
                            roofline=roofline_fields(roof, run, ceilings))
 
     def _time_both(self, problem, reference, candidate, candidate_model, timing, threads_before) -> TimingRun:
@@ -203,11 +213,13 @@ class _Run:
             with torch.no_grad(), watch:
                 run = time_interleaved(
                     {"reference": lambda inputs: problem.run_reference(reference, inputs),
-                     "candidate": lambda inputs: candidate.run(candidate_model, inputs)},
+                     "candidate": lambda inputs: candidate.run(candidate_model, inputs),
+                     AA: lambda inputs: problem.run_reference(reference, inputs)},
                     lambda i: problem.make_inputs(derive_seed(self.seed, "pool", i), dev),
                     self.device, config, seed=derive_seed(self.seed, "order"),
                     fresh_inputs=True, check_round=check_round,
-                    release={"reference": lambda out: poison_outputs(out, reference)},
+                    release={name: lambda out: poison_outputs(out, reference) for name in ("reference", AA)},
+                    decided=decided_by(self.min_speedup),
                 )
         except DefenceFired as fired:
             if watch.started:  # the wrong output came from the thread: name the cause first
@@ -223,13 +235,24 @@ class _Run:
         return run
 
 
+def speed_verdict(run: TimingRun, min_speedup: float | None = None) -> Verdict:
+    """Gate 2's statistics: the paired per-round ratios, their interval, the A/A noise floor."""
+    calls = run.per_call
+    return judge_speed(calls["reference"], calls["candidate"], calls.get(AA), min_speedup=min_speedup)
+
+
+def decided_by(min_speedup: float | None) -> Callable[[dict[str, list[float]]], bool]:
+    """For the timing engine's stop rule: is the verdict on these per-call times decided?"""
+    return lambda calls: judge_speed(calls["reference"], calls["candidate"], calls.get(AA),
+                                     min_speedup=min_speedup).decided
+
+
 def gate2_verdict(run: TimingRun, roof: Roofline, ceilings: Ceilings, baseline: str, warnings: list[str],
-                  defences: list[str]) -> tuple[str, str | None]:
-    """Gate 2's status and reason from a timing run and the roofline; appends the warnings
-    and the names of the defences that fired."""
+                  defences: list[str], verdict: Verdict) -> tuple[str, str | None]:
+    """Gate 2's status and reason from a timing run, its verdict and the roofline; appends
+    the warnings and the names of the defences that fired."""
     ref_ms = run.stats["reference"].median_ms
     cand_ms = run.stats["candidate"].median_ms
-    speedup = ref_ms / cand_ms
     status, reason = "passed", None
     if run.profile["candidate"].off_stream_frac > 0.5:
         defences.append("device_sync")
@@ -252,15 +275,27 @@ def gate2_verdict(run: TimingRun, roof: Roofline, ceilings: Ceilings, baseline: 
             f"ceilings measured on {ceilings.measured_on} look low for this device, and every % of roof "
             "with them; `kforge roofline --remeasure`"
         )
-    if status == "passed" and speedup <= 1.0:
-        status = "slower"
-        reason = f"gate 2 failed: speedup {speedup:.3f}x over the {baseline} reference is not above 1"
+    if status == "passed" and verdict.status != "faster":
+        status = "slower" if verdict.status == "slower" else "tie"
+        reason = f"gate 2 failed against the {baseline} reference: {verdict.describe()}"
+    if verdict.undecided:
+        warnings.append("the time budget ran out before gate 2 could decide: a longer --time-budget may decide it")
     return status, reason
 
 
-def gate2_fields(status: str, run: TimingRun, **extra) -> dict:
-    speedup = run.stats["reference"].median_ms / run.stats["candidate"].median_ms
-    return {"passed": status == "passed", "speedup": speedup, **run.to_dict(), **extra}
+def gate2_fields(status: str, run: TimingRun, verdict: Verdict, **extra) -> dict:
+    """The record's gate 2: the verdict (speedup, interval, noise floor), the timing run, and
+    the paired per-round ratios (4 significant digits) the verdict came from."""
+    calls = run.per_call
+    ratios = {"candidate": _rounded(paired_ratios(calls["reference"], calls["candidate"]))}
+    if AA in calls:
+        ratios[AA] = _rounded(paired_ratios(calls["reference"], calls[AA]))
+    return {"passed": status == "passed", "speedup": verdict.speedup, "verdict": verdict.to_dict(),
+            **run.to_dict(), "ratios": ratios, **extra}
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [float(f"{v:.4g}") for v in values]
 
 
 def roofline_fields(roof: Roofline, run: TimingRun, ceilings: Ceilings) -> dict:
@@ -280,6 +315,11 @@ def _roofline(problem: Problem, reference, gate1: CorrectnessReport, ceilings: C
         compute_dtype=problem.compute_dtype_for(inputs),
         ceilings=ceilings,
     )
+
+
+def exposed_seeds(seed: int, count: int) -> list[int]:
+    """The seeds of gate 1's exposing draws (problem.expose)."""
+    return [derive_seed(seed, "exposed", i) for i in range(count)]
 
 
 def derive_seed(seed: int, purpose: str, index: int = 0) -> int:

@@ -4,7 +4,7 @@ The candidate's code never runs in the caller's process: judge.py spreads one
 evaluation over a reference worker and a confined candidate's worker, with a time limit
 on each stage. Whatever the candidate does, the caller gets a record:
 
-    both gates ran                           -> passed, slower, incorrect, rejected...
+    both gates ran                           -> passed, tie, slower, incorrect, rejected...
     a stage runs past its limit              -> "timeout" (the workers are killed)
     the worker dies on a signal (SIGSEGV...) -> "crash"
     the worker exits, or breaks the protocol -> "crash", with the reason
@@ -44,18 +44,21 @@ def evaluate_isolated(
     limits: StageLimits | None = None,
     remeasure_above: float | None = REMEASURE_ABOVE,
     on_stage=None,
+    min_speedup: float | None = None,
 ) -> EvalRecord:
     """Evaluate `candidate` against `problem` across the judge's processes (module docstring).
 
     `gpu` pins the workers to that GPU; `device_name` (the GPU's, or the CPU's) keys the
-    record's pair. `on_stage(name)` hears each stage as it begins.
+    record's pair. `on_stage(name)` hears each stage as it begins. `min_speedup`: the bar
+    the speedup's 95% interval must clear (default: 1 + the measured noise floor).
     """
-    check_arguments(problem, candidate, baseline, trials, size)
+    check_arguments(problem, candidate, baseline, trials, size, min_speedup)
 
     def run() -> EvalRecord:
         return Judge(Path(problem).resolve(), Path(candidate).resolve(), baseline=baseline, trials=trials,
                      timing=timing or TimingConfig(), size=size, ceilings=ceilings, command=command, gpu=gpu,
-                     device_name=device_name, limits=limits or StageLimits(), on_stage=on_stage).run()
+                     device_name=device_name, limits=limits or StageLimits(), on_stage=on_stage,
+                     min_speedup=min_speedup).run()
 
     record = run()
     if remeasure_above and record.status == "passed" and record.speedup > remeasure_above:

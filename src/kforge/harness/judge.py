@@ -42,16 +42,17 @@ from pathlib import Path
 
 from kforge.harness import containment
 from kforge.harness.channel import Channel, ChannelError
-from kforge.harness.evaluate import (STATUS_OF_DEFENCE, derive_seed, gate2_fields, gate2_verdict, identity,
-                                     pair_key, roofline_fields)
+from kforge.harness.evaluate import (AA, STATUS_OF_DEFENCE, decided_by, derive_seed, exposed_seeds, gate2_fields,
+                                     gate2_verdict, identity, pair_key, roofline_fields, speed_verdict)
 from kforge.harness.record import EvalRecord
 from kforge.harness.roofline import Ceilings, get_ceilings, roofline_for
 from kforge.harness.shared import scratch_root
 from kforge.harness.timing import (Clocks, StopRule, TimingConfig, TimingRun, TimingStats, call_profiles,
-                                   per_call_ms, sync_costs)
+                                   per_call_ms, scripted, sync_costs)
 
 LOG_TAIL = 4000  # characters of a worker's output kept in a crash record
 HARNESS = Path(__file__).resolve().parent
+BOOT_S = 120.0  # for both workers to start (importing torch takes seconds, more on a busy machine)
 WARDEN_WAIT_S = 30.0  # to start the candidate's worker, or to kill and reap its tree
 
 
@@ -64,6 +65,8 @@ class StageLimits:
     gate2_s: float | None = None  # default: 3x the timing budget + 300 s (warm-up, roofline)
 
     def for_stage(self, stage: str, timing: TimingConfig) -> float:
+        if stage == "boot":  # the workers import torch and kforge: no user code yet
+            return BOOT_S
         if stage == "gate2":
             return self.gate2_s if self.gate2_s is not None else 3 * timing.budget_s + 300.0
         if stage == "gate1":
@@ -139,6 +142,7 @@ class Judge:
     device_name: str | None = None
     limits: StageLimits = field(default_factory=StageLimits)
     on_stage: Callable[[str], None] | None = None
+    min_speedup: float | None = None  # the bar for "passed" (default: 1 + the measured noise floor)
 
     def run(self) -> EvalRecord:
         self.seed = secrets.randbits(63)
@@ -171,17 +175,18 @@ class Judge:
     # --- the stages ------------------------------------------------------------------------
 
     def _evaluate(self) -> EvalRecord:
-        self._enter("load")
+        # Both workers boot (import torch: kforge's own code, on its own limit) at once; the
+        # candidate's file is imported only once the reference is built and fingerprinted.
+        self._enter("boot")
         self.reference = self._start_reference()
-        # Both workers boot (import torch) at once; the candidate's file is imported only
-        # once the reference is built and fingerprinted.
         self.worker = self._start_candidate()
         self._await_reference_hello()
+        self._await_candidate_hello()
+        self._enter("load")
         setup = self._ask_reference({"op": "setup", "init_seed": derive_seed(self.seed, "init"),
                                      "probe_seed": derive_seed(self.seed, "probe")})
         self.setup = setup
         self.problem_meta = setup["problem"]
-        self._await_candidate_hello()
         self._ask_candidate({"op": "setup", **self._candidate_job(setup)})
         self._ask_candidate({"op": "load"})
         self._check_reference_state()
@@ -202,6 +207,7 @@ class Judge:
         if claimed <= 0:
             raise Ended("rejected", "the candidate's worker claimed calls that took no time: its timings were forged",
                         defences=("timing_claims",))
+        verdict = speed_verdict(run, self.min_speedup)
         excess, allowed = check.excess_ms(gaps, claimed)
         claims = {"median_gap_ms": {name: statistics.median(g) for name, g in gaps.items()},
                   "excess_ms": excess, "allowed_ms": allowed}
@@ -209,34 +215,43 @@ class Judge:
             direction = "shorter" if excess > 0 else "longer"
             raise Ended("rejected", f"the candidate's worker claimed calls {abs(excess):.3g} ms {direction} than the "
                                     f"judge's own clock allows (more than {allowed:.3g} ms): its timings were forged",
-                        gate1=gate1, gate2=gate2_fields("rejected", run, claims=claims), defences=("timing_claims",))
+                        gate1=gate1, gate2=gate2_fields("rejected", run, verdict, claims=claims),
+                        defences=("timing_claims",))
 
         ceilings = self.ceilings or get_ceilings(self._device_info())
         roof = roofline_for(flops=setup["flops"], nbytes=setup["bytes"], compute_dtype=setup["compute_dtype"],
                             ceilings=ceilings)
-        status, reason = gate2_verdict(run, roof, ceilings, self.baseline, self.warnings, self.defences)
-        return self._record(status, reason, gate1=gate1, gate2=gate2_fields(status, run, claims=claims),
+        status, reason = gate2_verdict(run, roof, ceilings, self.baseline, self.warnings, self.defences, verdict)
+        return self._record(status, reason, gate1=gate1, gate2=gate2_fields(status, run, verdict, claims=claims),
                             roofline=roofline_fields(roof, run, ceilings))
 
     def _gate1(self) -> dict:
-        seeds = [derive_seed(self.seed, "trial", i) for i in range(self.trials)]
-        worst, passed = None, 0
-        atol, rtol = self.setup["tolerance"]
+        # the problem's own draws, then the exposing ones (problem.expose), all drawn here
+        exposed = exposed_seeds(self.seed, int(self.setup.get("exposed_trials", 0)))
+        seeds = [derive_seed(self.seed, "trial", i) for i in range(self.trials)] + exposed
+        worst, passed, skipped = None, 0, 0
+        report = dict(atol=self.setup["tolerance"][0], rtol=self.setup["tolerance"][1],
+                      rel_l2_bound=self.setup.get("rel_l2_bound"), seeds=seeds, exposed_trials=len(exposed))
         for trial, seed in enumerate(seeds, start=1):
-            self._ask_reference({"op": "draw", "seed": seed})
+            is_exposed = trial > self.trials
+            self._ask_reference({"op": "draw", "seed": seed, "exposed": is_exposed})
             reply = self._ask_candidate({"op": "call"})
             forbidden = sorted(set(self.setup["forbidden_ops"]) & set(_strings(reply.get("ops"))))
             if forbidden:
                 raise Ended("rejected", f"the candidate called {', '.join(forbidden)}, which the problem forbids",
                             defences=("forbidden_op",))
-            self._ask_reference({"op": "reference"})
+            finite = self._ask_reference({"op": "reference"}).get("finite", True)
+            if is_exposed and not finite:
+                skipped += 1
+                continue
             result = self._ask_reference({"op": "compare", **_claims(reply)})["comparison"]
             worst = result if worst is None else _worse(worst, result)
             if not result["ok"]:
-                return _gate1_report(False, trial, passed, seeds, atol, rtol, worst,
-                                     f"trial {trial}: {result['reason']}", result["failure"])
+                where = "an exposing draw" if is_exposed else "trial"
+                return _gate1_report(report, False, trial, passed, skipped, worst,
+                                     f"{where} {trial}: {result['reason']}", result["failure"])
             passed += 1
-        return _gate1_report(True, len(seeds), passed, seeds, atol, rtol, worst, None, None)
+        return _gate1_report(report, True, len(seeds), passed, skipped, worst, None, None)
 
     def _gate2(self) -> tuple[TimingRun, dict[str, list[float]], ClaimsCheck]:
         config = self.timing
@@ -252,14 +267,16 @@ class Judge:
             self._rest_timer.set_cover(2 * _number(warm.get("host_ms")))
             cover = self._rest_timer.cover_ms
 
-        names = ["reference", "candidate"]
-        raw: dict[str, list[Clocks]] = {"reference": [], "candidate": [], "null": []}
+        # The reference is timed twice a round (AA): the A/A pair measures the noise floor
+        # the candidate's speedup must clear (verdict.py).
+        names = ["reference", "candidate", AA]
+        raw: dict[str, list[Clocks]] = {name: [] for name in [*names, "null"]}
         gaps: dict[str, list[float]] = {"reference": [], "candidate": []}
-        stopper = StopRule(config, names, host=False)
+        stopper = StopRule(config, names, host=False, decided=decided_by(self.min_speedup))
         rounds = rechecked = 0
         while True:
             self._ask_reference({"op": "draw", "seed": derive_seed(self.seed, "round", rounds)})
-            order = ["reference", "candidate", "null"]
+            order = [*names, "null"]
             self.rng.shuffle(order)
             claims = None
             for name in order:
@@ -272,9 +289,9 @@ class Judge:
                 if name == "candidate" and max(clocks) <= 0:
                     raise Ended("rejected", "the candidate's worker claimed a call that took no time: its timings "
                                             "were forged", defences=("timing_claims",))
-                raw[name].append(clocks)
                 if name in gaps:  # against the device's clock, which holds the whole call
                     gaps[name].append(self.wall_ms - clocks[1])
+                raw[name].append(scripted(config, name, rounds, clocks))
             rounds += 1
             stop_reason = stopper.check(raw, rounds)
             # Drawn now, after the candidate's reply, from a source its process cannot read.
@@ -299,6 +316,7 @@ class Judge:
             warmup_calls={"reference": int(_number(warm.get("calls"))),
                           "candidate": int(_number(cand_warm.get("calls")))},
             wall_s=time.perf_counter() - t0,
+            per_call=per_call,
         )
         return run, gaps, ClaimsCheck.for_device(cuda)
 
@@ -307,15 +325,22 @@ class Judge:
     def _enter(self, stage: str) -> None:
         self.stage = stage
         self.deadline = time.monotonic() + self.limits.for_stage(stage, self.timing)
-        if self.on_stage:
+        if self.on_stage and stage != "boot":  # the user's stages: load, gate1, gate2
             self.on_stage(stage)
 
     def _ask_reference(self, message: dict, timed: bool = False) -> dict:
+        # In gate 2 the reference worker is stopped between commands as the candidate's is,
+        # so both sides' calls start from the same state (a process just continued).
+        pause = self.stage == "gate2"
         try:
             if timed:
                 self._rest()
             started = time.perf_counter()
+            if pause:
+                containment.signal_all([self.reference.process.pid], signal.SIGCONT)
             reply = self.reference.channel.request(message, self.deadline)
+            if pause:
+                containment.signal_all([self.reference.process.pid], signal.SIGSTOP)
             if timed:
                 self._probe()
             self.wall_ms = (time.perf_counter() - started) * 1e3
@@ -548,6 +573,7 @@ class Judge:
                 self.warden.wait()
             self.worker and self.worker.channel.close()
         if self.reference is not None:
+            containment.signal_all([self.reference.process.pid], signal.SIGCONT)  # stopped in gate 2
             try:
                 self.reference.channel.request({"op": "exit"}, time.monotonic() + 5)
             except ChannelError:
@@ -582,12 +608,15 @@ class Judge:
                           containment=getattr(self, "confinement", None), **fields)
 
 
-def _gate1_report(passed, trials, trials_passed, seeds, atol, rtol, worst, reason, failure) -> dict:
+def _gate1_report(fixed: dict, passed, trials, trials_passed, skipped, worst, reason, failure) -> dict:
+    """Gate 1's part of the record, in CorrectnessReport's fields (correctness.py)."""
     worst = worst or {}
-    return dict(passed=passed, trials=trials, trials_passed=trials_passed, seeds=list(seeds), atol=atol, rtol=rtol,
+    return dict(passed=passed, trials=trials, trials_passed=trials_passed, seeds=list(fixed["seeds"]),
+                atol=fixed["atol"], rtol=fixed["rtol"],
                 max_abs_err=worst.get("max_abs_err", 0.0), max_rel_err=worst.get("max_rel_err", 0.0),
                 mismatch_frac=worst.get("mismatch_frac", 0.0), rel_l2_err=worst.get("rel_l2_err", 0.0),
-                failure=failure, reason=reason)
+                rel_l2_bound=fixed["rel_l2_bound"], failure=failure, reason=reason, test=worst.get("test"),
+                exposed_trials=fixed["exposed_trials"], exposed_skipped=skipped)
 
 
 def _worse(a: dict, b: dict) -> dict:

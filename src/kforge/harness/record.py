@@ -28,9 +28,10 @@ SCHEMA_VERSION = 1
 
 # Status -> exit status of `kforge eval`.
 EXIT_STATUS = {
-    "passed": 0,
+    "passed": 0,  # correct, and the speedup's 95% interval above the bar (verdict.py)
     "incorrect": 1,  # gate 1 failed, or a timed call's output was wrong (recheck)
-    "slower": 1,  # gate 2 failed: speedup <= 1
+    "slower": 1,  # gate 2 failed: the speedup's 95% interval lies below 1 - the noise floor
+    "tie": 1,  # gate 2 failed: not measurably different (the interval reaches the noise floor)
     "faster_than_hardware": 1,  # gate 2 failed: under the physical floor, the timer was fooled
     "rejected": 1,  # a defence caught the candidate gaming the harness (see `defences`)
     "candidate_error": 2,  # the candidate could not be imported, built or run

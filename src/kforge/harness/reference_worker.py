@@ -34,9 +34,10 @@ import torch
 
 from kforge.errors import KforgeError, ProblemError
 from kforge.harness.channel import WorkerEnd, serve
-from kforge.harness.correctness import Comparison, clone_arguments, compare_claimed, compare_inputs
+from kforge.harness.correctness import (Comparison, clone_arguments, compare_claimed, compare_inputs,
+                                        outputs_finite)
 from kforge.harness.defences import poison
-from kforge.harness.loading import call_user, synchronize
+from kforge.harness.loading import call_user, fp32_means_fp32, synchronize
 from kforge.harness.problem import flatten_outputs, load_problem
 from kforge.harness.shared import Arena, Layout, SharedError, describe, digest, rebuild, tensor_leaves, write_values
 from kforge.harness.timing import call_timer, null_call
@@ -91,14 +92,17 @@ class ReferenceWorker:
             init=self.init_desc, inputs=self.input_desc, mailbox=self.mailbox_desc, arena=self.arena.handle,
             flops=flops, bytes=nbytes, compute_dtype=problem.compute_dtype_for(probe_inputs),
             forbidden_ops=problem.forbidden_ops, tolerance=list(problem.tolerance_for(_first_dtype(probe_out))),
+            rel_l2_bound=problem.rel_l2_for(_first_dtype(probe_out)), exposed_trials=problem.exposed_trials,
             cache_bytes=self.device.cache_bytes,
         )
 
     # --- one input set ---------------------------------------------------------------------
 
-    def draw(self, seed: int) -> dict:
-        """A fresh input set under `seed`: pristine and own copies here, the candidate's in the arena."""
-        inputs = self.problem.make_inputs(seed, self.dev)
+    def draw(self, seed: int, exposed: bool = False) -> dict:
+        """A fresh input set under `seed` (an exposing one: problem.expose): pristine and own
+        copies here, the candidate's in the arena."""
+        inputs = self.problem.make_inputs(seed, self.dev, exposed=exposed)
+        self.exposed = exposed
         try:
             described = describe(list(inputs), Layout().place)
         except SharedError as exc:
@@ -114,10 +118,12 @@ class ReferenceWorker:
         return {}
 
     def reference(self) -> dict:
+        """Run the reference; `finite` says whether all its outputs are (an exposing draw
+        on which they are not is outside the problem's domain)."""
         with torch.no_grad():
             self.out = self.problem.run_reference(self.model, self.mine)
         synchronize(self.dev)
-        return {}
+        return {"finite": outputs_finite(self.out)}
 
     def compare(self, claims, digests) -> dict:
         """The candidate's outputs (its claims about them, the values in the mailbox) and
@@ -131,8 +137,8 @@ class ReferenceWorker:
             result = Comparison(ok=False, failure="late_output", reason="the mailbox changed after the candidate's "
                                 "worker replied: its outputs were written by work on no clock")
         else:
-            result = (compare_inputs(self.pristine, self.mine, self.slot, self.problem)
-                      or compare_claimed(self.out, claims, self.mailbox, self.problem))
+            result = (compare_inputs(self.pristine, self.mine, self.slot, self.problem, self.exposed)
+                      or compare_claimed(self.out, claims, self.mailbox, self.problem, self.exposed))
         return {"comparison": result.to_dict()}
 
     # --- timing ------------------------------------------------------------------------------
@@ -227,6 +233,7 @@ def main() -> int:
     from kforge.runtime.interpreter import interpreter_active, mend_interpreter
 
     worker = ReferenceWorker(job)
+    fp32_means_fp32()
     if not worker.device.is_cuda:
         # Two workers and the judge share the CPU: an OpenMP pool waiting for a busy core
         # costs milliseconds a call, so each worker computes on one thread.

@@ -3,10 +3,12 @@
     pairs = discover(problems_dir, solutions_dir)     # matched by file name
     summary = run_suite(pairs, store, slots=[0, 1])   # one worker per GPU at a time
 
-fast_p (KernelBench's definition): the share of ALL problems whose candidate is correct
-and more than p times faster than the reference. A problem without a solution, and a
-candidate that crashed, timed out or was caught by a defence, count as failures. The
-geometric-mean speedup is over the correct candidates.
+fast_p (KernelBench's, with gate 2's statistics): the share of ALL problems whose candidate
+is correct and measurably more than p times faster than the reference: for p >= 1 its
+status is "passed" and the lower end of its speedup's 95% interval is above p (a "tie",
+not measurably different, never counts). fast_0 is the share of correct candidates. A
+problem without a solution, and a candidate that crashed, timed out or was caught by a
+defence, count as failures. The geometric-mean speedup is over the correct candidates.
 
 The store is a JSONL file of EvalRecords, appended and fsynced as each pair ends, so a
 suite killed at any moment (SIGKILL too) loses only the pairs in flight. A pair is
@@ -31,7 +33,7 @@ from kforge.harness.isolation import evaluate_isolated
 from kforge.harness.record import EvalRecord, append_record, read_records
 
 FAST_P = (0.0, 1.0, 1.5, 2.0)
-CORRECT_STATUSES = ("passed", "slower")  # gate 1 passed and no defence fired against it
+CORRECT_STATUSES = ("passed", "slower", "tie")  # gate 1 passed and no defence fired against it
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class SuiteRow:
     name: str
     status: str  # a record's status, or "missing" (no solution)
     speedup: float | None = None
+    speedup_low: float | None = None  # the lower end of the speedup's 95% interval
     reference_ms: float | None = None
     candidate_ms: float | None = None
     pct_of_roof: float | None = None
@@ -167,6 +170,7 @@ def summarize(pairs: Sequence[Pair], keys: dict[str, str], records: dict[str, di
                 name=pair.name,
                 status=record["status"],
                 speedup=gate2["speedup"] if gate2 else None,
+                speedup_low=_low(gate2),
                 reference_ms=gate2["stats"]["reference"]["median_ms"] if gate2 else None,
                 candidate_ms=gate2["stats"]["candidate"]["median_ms"] if gate2 else None,
                 pct_of_roof=roof["candidate"]["pct_of_roof"] if roof else None,
@@ -174,7 +178,20 @@ def summarize(pairs: Sequence[Pair], keys: dict[str, str], records: dict[str, di
                 reason=record.get("reason"),
             ))
     total = len(rows)
-    fast_p = {p: sum(row.correct and row.speedup > p for row in rows) / total for p in FAST_P}
+    fast_p = {p: sum(fast(row, p) for row in rows) / total for p in FAST_P}
     speedups = [row.speedup for row in rows if row.correct and row.speedup > 0]
     geomean = math.exp(sum(math.log(s) for s in speedups) / len(speedups)) if speedups else None
     return SuiteSummary(rows=rows, fast_p=fast_p, geomean_speedup=geomean)
+
+
+def fast(row: SuiteRow, p: float) -> bool:
+    """Does this row count towards fast_p? (See the module's docstring.)"""
+    if p < 1.0:
+        return row.correct and row.speedup > p
+    low = row.speedup_low if row.speedup_low is not None else row.speedup
+    return row.status == "passed" and low > p
+
+
+def _low(gate2: dict | None) -> float | None:
+    verdict = (gate2 or {}).get("verdict")
+    return verdict.get("low") if isinstance(verdict, dict) else None

@@ -83,8 +83,13 @@ class TimingConfig:
     pool_bytes: int | None = None  # default: 2x the GPU's L2 (on a CPU: 2 sets, nothing is flushed)
     max_pool_sets: int = 1024
     flush_l2: bool = True
-    recheck_fraction: float = 0.02  # share of rounds whose outputs go to check_round (+ first, last)
+    # Share of rounds whose outputs go to check_round (+ the first and the last). A candidate
+    # wrong in half its calls escapes 30 rounds with p = 0.006 (verdict.escape_probability).
+    recheck_fraction: float = 0.25
     keep_samples: bool = False  # keep every call's raw clocks in the run (for studying noise)
+    # Tests only: script(name, round) -> ms replaces each timed call's measured clocks, so
+    # gate 2's logic runs on known timings (a shared CPU's real ones prove nothing).
+    script: Callable[[str, int], float] | None = None
 
     def __post_init__(self) -> None:
         if self.min_reps < 1 or self.max_reps < self.min_reps:
@@ -137,7 +142,7 @@ class TimingRun:
     stats: dict[str, TimingStats]
     clock: str  # "cuda_events" or "host"
     rounds: int
-    stop_reason: str  # "rse", "budget" or "max_reps"
+    stop_reason: str  # "rse", "decided" (rse, and gate 2's verdict decided), "budget" or "max_reps"
     pool_sets: int
     pool_bytes: int
     flush_bytes: int
@@ -148,9 +153,12 @@ class TimingRun:
     warmup_calls: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
     samples: dict[str, list[Clocks]] | None = None  # raw clocks, when config.keep_samples
+    per_call: dict[str, list[float]] = field(default_factory=dict, repr=False)  # each call's cost, round order
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        del data["per_call"]  # the record keeps the verdict's paired ratios instead
+        return data
 
 
 def input_set_bytes(inputs: InputSet) -> int:
@@ -219,6 +227,7 @@ def time_interleaved(
     fresh_inputs: bool = False,
     check_round: Callable[[dict[str, object]], None] | None = None,
     release: Mapping[str, Callable[[object], None]] | None = None,
+    decided: Callable[[dict[str, list[float]]], bool] | None = None,
 ) -> TimingRun:
     """Time every function in `fns` interleaved, on inputs from `make_set(i)`.
 
@@ -263,7 +272,7 @@ def time_interleaved(
 
     raw: dict[str, list[Clocks]] = {name: [] for name in calls}
     rounds, rechecked = 0, 0
-    stopper = StopRule(config, names)
+    stopper = StopRule(config, names, decided=decided)
     while True:
         round_order = list(calls)
         order_rng.shuffle(round_order)
@@ -271,7 +280,7 @@ def time_interleaved(
         outputs = {}
         for name in round_order:
             clocks, outputs[name] = timer.time_call(calls[name], inputs[name])
-            raw[name].append(clocks)
+            raw[name].append(scripted(config, name, rounds, clocks))
         rounds += 1
         stop_reason = stopper.check(raw, rounds)
         if check_round is not None and (rounds == 1 or stop_reason or order_rng.random() < config.recheck_fraction):
@@ -301,7 +310,16 @@ def time_interleaved(
         warmup_calls=warmup_calls,
         wall_s=time.perf_counter() - t0,
         samples=raw if config.keep_samples else None,
+        per_call=per_call,
     )
+
+
+def scripted(config: TimingConfig, name: str, round_index: int, clocks: Clocks) -> Clocks:
+    """The call's clocks, or with `config.script` the scripted time on every clock (null calls cost 0)."""
+    if config.script is None:
+        return clocks
+    ms = 0.0 if name == "null" else float(config.script(name, round_index))
+    return (ms, ms, ms)
 
 
 class StopRule:
@@ -310,12 +328,14 @@ class StopRule:
     the budget or `max_reps` runs out. Returns the reason, or None to go on."""
 
     def __init__(self, config: TimingConfig, names: Sequence[str], clock: Callable[[], float] = time.perf_counter,
-                 host: bool = True):
-        self.config, self.names, self.clock, self.host = config, list(names), clock, host
+                 host: bool = True, decided: Callable[[dict[str, list[float]]], bool] | None = None):
+        self.config, self.names, self.clock, self.host, self.decided = config, list(names), clock, host, decided
         self.start = clock()
         self.next_check = self.start + config.min_time_s
 
     def check(self, raw: Mapping[str, list[Clocks]], rounds: int) -> str | None:
+        """With `decided` (gate 2's verdict on the per-call times so far), the rse rule stops
+        the rounds only once the verdict is decided too ("decided")."""
         now = self.clock()
         if now - self.start >= self.config.budget_s:
             return "budget"
@@ -325,7 +345,10 @@ class StopRule:
             self.next_check = now + CHECK_EVERY_S
             current = per_call_ms(raw, self.names, self.host)
             if all(TimingStats.from_samples(current[name]).rse < self.config.rse_target for name in self.names):
-                return "rse"
+                if self.decided is None:
+                    return "rse"
+                if self.decided(current):
+                    return "decided"
         if rounds >= self.config.max_reps:
             return "max_reps"
         return None

@@ -1,0 +1,139 @@
+"""Gate 2's verdict: faster, slower, or not measurably different, and how sure.
+
+Every timed round calls the reference, the candidate and the reference again (the A/A
+call, `reference_aa`), in a shuffled order, on fresh inputs. Each round gives two ratios:
+
+    ratio_i = reference_i / candidate_i       the candidate's speedup in round i
+    aa_i    = reference_i / reference_aa_i    the apparatus against itself
+
+Pairing within a round cancels drift (clocks, temperature, other tenants) that a ratio of
+two medians taken over the whole run would keep.
+
+The speedup is the median of the ratios; its 95% confidence interval comes from order
+statistics: with n ratios sorted, [r_(k), r_(n-k+1)] covers the median with probability
+>= 95% for the largest k with P(Binomial(n, 1/2) <= k - 1) <= 2.5%. It assumes only that
+rounds are independent draws, not any shape of the distribution, and needs no random
+resampling (the same ratios always give the same interval).
+
+The noise floor is what the apparatus shows for two identical calls: |median(aa) - 1|, and
+never less than MIN_NOISE_FLOOR. A difference smaller than it is not evidence. Then
+
+    faster  if  low  > bar,       bar = max(min_speedup, 1 + floor)
+    slower  if  high < 1 / (1 + floor)
+    tie     otherwise: "not measurably different"
+
+and a tie is `undecided` when its interval still straddles a boundary: more rounds might
+have decided it (the time budget ran out first).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+CONFIDENCE = 0.95
+MIN_NOISE_FLOOR = 0.01  # 1%: identical code measured within +-1% on the H100 (benchmarks/results)
+MIN_ROUNDS = 6  # the fewest ratios whose order statistics give a 95% interval at all
+
+
+def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median (order statistics).
+
+    Returns (-inf, inf) when there are too few values for any interval at this confidence.
+    """
+    xs = sorted(values)
+    n = len(xs)
+    k = _order_index(n, (1.0 - confidence) / 2)
+    if k == 0:
+        return -math.inf, math.inf
+    return xs[k - 1], xs[n - k]
+
+
+def _order_index(n: int, tail: float) -> int:
+    """The largest k with P(Binomial(n, 1/2) <= k - 1) <= tail (0 if none)."""
+    if n == 0:
+        return 0
+    log_half_n = -n * math.log(2.0)
+    cdf, k = 0.0, 0
+    for j in range(n // 2 + 1):
+        cdf += math.exp(math.lgamma(n + 1) - math.lgamma(j + 1) - math.lgamma(n - j + 1) + log_half_n)
+        if cdf > tail:
+            break
+        k = j + 1
+    return k
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: str  # "faster", "slower" or "tie"
+    speedup: float  # median of the paired per-round ratios
+    low: float  # the speedup's 95% interval
+    high: float
+    noise_floor: float  # the relative difference the apparatus cannot tell from noise
+    aa_ratio: float | None  # median reference / reference_aa (None: no A/A samples)
+    bar: float  # what `low` had to clear for "faster"
+    rounds: int
+    undecided: bool  # a tie whose interval still crosses a boundary: more rounds might decide it
+
+    @property
+    def decided(self) -> bool:
+        return not self.undecided
+
+    def describe(self) -> str:
+        interval = f"{self.speedup:.3f}x (95% interval {self.low:.3f}-{self.high:.3f}x, {self.rounds} rounds)"
+        if self.status == "faster":
+            return f"faster: {interval}, above the bar of {self.bar:.3f}x"
+        if self.status == "slower":
+            return f"slower: {interval}, below {1 / (1 + self.noise_floor):.3f}x"
+        why = ("the time budget ran out before the interval was narrow enough: a longer --time-budget may decide it"
+               if self.undecided else f"within the noise floor of {self.noise_floor:.1%}")
+        return f"not measurably different: {interval}; {why}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
+    if len(numerator) != len(denominator):
+        raise ValueError(f"unpaired samples: {len(numerator)} against {len(denominator)}")
+    return [a / b if b > 0 else math.inf for a, b in zip(numerator, denominator)]
+
+
+def judge_speed(reference: Sequence[float], candidate: Sequence[float], again: Sequence[float] | None = None,
+                *, min_speedup: float | None = None, min_noise_floor: float = MIN_NOISE_FLOOR) -> Verdict:
+    """The verdict from per-round times (ms) of the reference, the candidate and the
+    reference's A/A call, all of the same rounds, in order."""
+    ratios = paired_ratios(reference, candidate)
+    if not ratios:
+        raise ValueError("no timed rounds")
+    aa_ratio = None
+    floor = min_noise_floor
+    if again:
+        aa_ratio = statistics.median(paired_ratios(reference, again))
+        floor = max(floor, abs(aa_ratio - 1.0))
+    speedup = statistics.median(ratios)
+    low, high = median_interval(ratios)
+    bar = max(min_speedup or 0.0, 1.0 + floor)
+    slow_bar = 1.0 / (1.0 + floor)
+    if low > bar:
+        status, undecided = "faster", False
+    elif high < slow_bar:
+        status, undecided = "slower", False
+    else:
+        # Settled as a tie only when the whole interval sits between the two bars; an
+        # interval reaching past one of them could still end above or below it.
+        status, undecided = "tie", not (low >= slow_bar and high <= bar)
+    return Verdict(status=status, speedup=speedup, low=low, high=high, noise_floor=floor, aa_ratio=aa_ratio,
+                   bar=bar, rounds=len(ratios), undecided=undecided)
+
+
+def escape_probability(cheat_fraction: float, recheck_fraction: float, rounds: int, always_checked: int = 2) -> float:
+    """The chance that a candidate wrong in a share `cheat_fraction` of its timed calls (at
+    random) is never caught, when each round is re-checked with probability
+    `recheck_fraction`, drawn after its call, and `always_checked` rounds always are."""
+    if not 0 <= cheat_fraction <= 1 or not 0 <= recheck_fraction <= 1:
+        raise ValueError("fractions must be within [0, 1]")
+    free = max(0, rounds - always_checked)
+    return (1 - cheat_fraction) ** min(rounds, always_checked) * (1 - cheat_fraction * recheck_fraction) ** free

@@ -1,0 +1,121 @@
+"""Gate 1's tolerance: the relative L2 bound, outputs near zero, exposing draws."""
+
+import pytest
+import torch
+
+from conftest import FIXTURES
+from kforge.errors import ProblemError
+from kforge.harness.correctness import compare_leaf_values
+from kforge.harness.evaluate import evaluate
+from kforge.harness.isolation import evaluate_isolated
+from kforge.harness.problem import expose, load_problem
+
+
+@pytest.fixture
+def judged(cpu, cpu_ceilings, fast_timing):
+    def _run(problem: str, candidate: str, isolated: bool = False):
+        problem_path = FIXTURES / "problems" / f"{problem}.py"
+        candidate_path = FIXTURES / "candidates" / f"{candidate}.py"
+        if isolated:
+            return evaluate_isolated(problem_path, candidate_path, timing=fast_timing, ceilings=cpu_ceilings,
+                                     size="full", device_name=cpu.name)
+        return evaluate(problem_path, candidate_path, device=cpu, ceilings=cpu_ceilings, timing=fast_timing,
+                        size="full")
+
+    return _run
+
+
+def test_zeros_for_a_softmax_of_wide_rows_fail_on_relative_error(judged):
+    record = judged("softmax_wide", "softmax_of_zeros")
+    assert record.status == "incorrect", record.reason
+    assert record.gate1["test"] == "rel_l2_near_zero" and "only the relative error tells" in record.reason
+
+
+def test_an_fp16_matmul_passes_the_elementwise_test_on_rand_inputs_and_fails_on_exposing_draws(judged):
+    record = judged("matmul_rand", "matmul_fp16")
+    assert record.status == "incorrect", record.reason
+    assert "an exposing draw" in record.reason, record.reason
+    assert record.gate1["trials_passed"] == 5  # the problem's own five draws did not catch it
+
+
+def test_the_judge_draws_the_exposing_inputs_too(judged):
+    record = judged("matmul_rand", "matmul_fp16", isolated=True)
+    assert record.status == "incorrect" and "an exposing draw" in record.reason, record.reason
+    assert record.gate1["exposed_trials"] == 2
+
+
+def test_3xtf32_is_exact_enough_for_fp32(judged):
+    record = judged("matmul_rand", "matmul_3xtf32")
+    assert record.gate1["passed"], record.reason
+    assert record.gate1["rel_l2_err"] < 1e-6 and record.gate1["test"] == "rel_l2_exposed"
+    assert record.gate1["trials"] == 7 and record.gate1["exposed_trials"] == 2
+
+
+def test_an_exposing_draw_outside_the_references_domain_is_skipped(judged):
+    record = judged("log_positive", "log_positive")
+    assert record.gate1["passed"], record.reason
+    assert record.gate1["exposed_skipped"] == 2
+
+
+def test_a_problem_can_keep_its_inputs_as_drawn(write):
+    path = write("as_drawn.py", """
+        import torch
+        precision = "as_drawn"
+        tolerance = {"atol": 1e-3, "rtol": 1e-3, "rel_l2": 1e-4}
+        class Model(torch.nn.Module):
+            def forward(self, x):
+                return x
+        def get_inputs():
+            return [torch.rand(4)]
+        def get_init_inputs():
+            return []
+    """)
+    problem = load_problem(path)
+    assert problem.exposed_trials == 0 and problem.tolerance == (1e-3, 1e-3)
+    assert problem.rel_l2_for(torch.float32) == 1e-4 and problem.rel_l2_for(torch.int64) is None
+
+
+@pytest.mark.parametrize("source, message", [
+    ('precision = "fp8"', "precision"),
+    ('tolerance = {"rel_l2": -1}', "rel_l2"),
+])
+def test_bad_precision_contracts_are_refused(write, source, message):
+    path = write("bad.py", f"""
+        import torch
+        {source}
+        class Model(torch.nn.Module):
+            def forward(self, x):
+                return x
+        def get_inputs():
+            return [torch.rand(4)]
+        def get_init_inputs():
+            return []
+    """)
+    with pytest.raises(ProblemError, match=message):
+        load_problem(path)
+
+
+def test_exposing_draws_flip_signs_and_spread_magnitudes_reproducibly():
+    x = torch.rand(10_000) + 0.5
+    a, b = expose([x, torch.arange(3), 2.0], seed=3), expose([x, torch.arange(3), 2.0], seed=3)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], expose([x], seed=4)[0])
+    assert 0.45 < (a[0] < 0).float().mean() < 0.55  # random signs
+    ratio = (a[0] / x).abs()
+    assert ratio.min() >= 2 ** -4 * 0.99 and ratio.max() <= 2 ** 4 * 1.01 and ratio.max() > 8
+    assert torch.equal(a[1], torch.arange(3)) and a[2] == 2.0  # integers and numbers untouched
+    x16 = torch.rand(100, dtype=torch.bfloat16) + 0.5
+    assert torch.equal(expose([x16], seed=3)[0].abs(), x16)  # 16-bit: signs only (a spread could overflow fp16)
+
+
+def test_the_comparison_names_the_test_that_decided(problem_path):
+    problem = load_problem(problem_path("add"))
+    ref = torch.rand(1000) + 1.0
+    ok = compare_leaf_values(ref, ref.clone(), "output", problem)
+    assert ok.ok and ok.test == "elementwise+rel_l2"
+    off = ref.clone()
+    off[0] += 1.0
+    elementwise = compare_leaf_values(ref, off, "output", problem)
+    assert not elementwise.ok and elementwise.test == "elementwise"
+    drift = ref * (1 + 5e-5)  # every element within rtol=1e-4, but 5e-5 relative L2 > 1e-5
+    l2 = compare_leaf_values(ref, drift, "output", problem)
+    assert not l2.ok and l2.test == "rel_l2" and "lower precision" in l2.reason
