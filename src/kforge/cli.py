@@ -124,9 +124,11 @@ def _version(value: bool) -> None:
         except metadata.PackageNotFoundError:
             return "not installed"
 
+    import torch  # (imported with kforge already) its own version says the build: +cpu, +cu130, ...
+
     from kforge import __version__
 
-    print(f"kforge {__version__} (torch {version_of('torch')}, triton {version_of('triton')}, "
+    print(f"kforge {__version__} (torch {torch.__version__}, triton {version_of('triton')}, "
           f"python {platform.python_version()})")
     raise typer.Exit()
 
