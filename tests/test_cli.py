@@ -152,6 +152,7 @@ HANG_IN_GATE1 = ("import torch\nclass ModelNew(torch.nn.Module):\n"
                  "    def forward(self, a, b):\n        while True:\n            pass\n")
 
 
+@pytest.mark.slow  # a hang to wait out in each stage
 @pytest.mark.parametrize("stage, candidate", [
     ("load", FIXTURES / "candidates" / "hang_import.py"),
     ("gate1", None),

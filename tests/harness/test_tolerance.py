@@ -38,6 +38,7 @@ def test_an_fp16_matmul_passes_the_elementwise_test_on_rand_inputs_and_fails_on_
     assert record.gate1["trials_passed"] == 5  # the problem's own five draws did not catch it
 
 
+@pytest.mark.slow  # the judge's workers
 def test_the_judge_draws_the_exposing_inputs_too(judged):
     record = judged("matmul_rand", "matmul_fp16", isolated=True)
     assert record.status == "incorrect" and "an exposing draw" in record.reason, record.reason
