@@ -36,7 +36,7 @@ def test_builtin_level1_runs_the_chosen_problems_with_kforges_solutions(cli, tmp
     scores = json.loads(done.stdout)
     rows = {row["name"]: row for row in scores["rows"]}
     assert set(rows) == {"transpose_bf16", "matmul_fp32"}  # only those, from the package's level1 folder
-    assert all(row["status"] in ("passed", "slower") and row["speedup"] > 0 for row in rows.values()), rows
+    assert all(row["status"] in ("passed", "tie", "slower") and row["speedup"] > 0 for row in rows.values()), rows
     # 0 only when every pair passed; on a CPU an interpreted kernel may well be slower
     assert done.returncode == (0 if all(row["status"] == "passed" for row in rows.values()) else 1), done.stderr
     assert scores["fast_p"]["fast_0"] == 1.0 and scores["ran"] == 2

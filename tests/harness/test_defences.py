@@ -49,7 +49,7 @@ def test_each_hostile_candidate_is_caught_by_its_defence(isolated, candidate, pr
     record = isolated(candidate, problem)
     if candidate == "patch_timer" and record.device["kind"] == "cuda":
         # on a GPU the call costs the device's clock (CUDA events), which it did not patch
-        assert record.status in ("passed", "slower") and record.speedup < 2, record.reason
+        assert record.status in ("passed", "tie", "slower") and record.speedup < 2, record.reason
         return
     assert record.status in ("incorrect", "rejected"), record.reason
     if status:

@@ -26,6 +26,7 @@ import pytest
 
 from conftest import FIXTURES
 from kforge.harness import containment
+from kforge.harness.suite import CORRECT_STATUSES as CORRECT
 from kforge.harness.channel import MAX_LINE
 from kforge.harness.isolation import StageLimits, evaluate_isolated
 from kforge.harness.timing import TimingConfig
@@ -56,7 +57,7 @@ def on_gpu(record) -> bool:
 def assert_costs_its_real_time(record) -> None:
     """On a GPU a call costs the longer of its device and host time, and the device's clock
     (CUDA events) is not the patched one: a frozen host clock buys no speedup."""
-    assert record.status in ("passed", "slower"), record.reason
+    assert record.status in CORRECT, record.reason
     stats = record.gate2["stats"]
     assert stats["candidate"]["median_ms"] > 0.5 * stats["reference"]["median_ms"], stats
 
@@ -273,7 +274,7 @@ def test_4a_a_setsid_daemon_is_killed_with_the_evaluation(judge, target, tmp_pat
     monkeypatch.setenv("KFORGE_HOSTILE_TOKEN", token)  # the judge passes its environment on
     before = target.read_text()
     record = judge("outlive_daemon", "row_sums")
-    assert record.status == "passed", record.reason
+    assert record.status in CORRECT, record.reason  # its outputs are right; how fast is not the point
     assert record.containment["filesystem"] is True
     assert not any("process" in w for w in record.warnings) and "process_leak" not in record.defences
 
@@ -293,7 +294,7 @@ def test_4a_a_setsid_daemon_is_killed_with_the_evaluation(judge, target, tmp_pat
 @pytest.mark.slow
 def test_4b_signals_to_the_judge_and_its_workers_are_refused(judge, tmp_path):
     record = judge("outlive_signals", "row_sums")
-    assert record.status == "passed", record.reason  # right outputs only if every signal was refused
+    assert record.status in CORRECT, record.reason  # right outputs only if every signal was refused
     assert record.containment["signals"] is True
     tried = json.loads((candidate_cache(tmp_path) / "signals.json").read_text())
     targets = {pid for what, pid, outcome in tried["attempts"] if what.startswith("kill(")}
@@ -316,7 +317,7 @@ def test_4c_a_thread_scribbling_on_its_outputs_changes_nothing(judge):
 def test_4d_writes_outside_its_folders_are_refused(judge, target, tmp_path):
     before = target.read_text()
     record = judge("outlive_write", "row_sums")
-    assert record.status == "passed", record.reason  # right outputs only if both writes were refused
+    assert record.status in CORRECT, record.reason  # right outputs only if both writes were refused
     assert record.containment["filesystem"] is True
     assert target.read_text() == before
     assert not (tmp_path / "kforge-cache" / "ceilings" / "forged.json").exists()
@@ -360,4 +361,4 @@ def test_4f_a_candidate_cannot_reach_another_evaluations_scratch(cpu, cpu_ceilin
     finally:
         hostile.join()
     assert target.read_text() == before, "another evaluation's reference worker wrote through the planted link"
-    assert records["honest"].status in ("passed", "slower"), records["honest"].reason
+    assert records["honest"].status in CORRECT, records["honest"].reason

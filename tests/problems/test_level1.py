@@ -51,4 +51,4 @@ def test_solution_passes_gate_1_at_the_full_size_on_the_gpu(name, gpu_ceilings):
     record = evaluate(PROBLEMS / f"{name}.py", SOLUTIONS / f"{name}.py", ceilings=gpu_ceilings, size="full",
                       timing=TimingConfig(budget_s=1.0))
     assert record.gate1 and record.gate1["passed"], record.reason
-    assert record.status in ("passed", "slower"), (record.status, record.reason)
+    assert record.status in ("passed", "tie", "slower"), (record.status, record.reason)

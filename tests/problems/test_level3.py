@@ -66,7 +66,7 @@ def test_solution_passes_gate_1_at_the_tiny_size(name, cpu, cpu_ceilings):
                       timing=ONE_ROUND)
     assert record.gate1 and record.gate1["passed"], record.reason
     assert record.problem["size"] == "tiny" and record.gate1["trials_passed"] == 5
-    assert record.status in ("passed", "slower"), record.reason  # no defence fired; speed on a CPU is moot
+    assert record.status in ("passed", "tie", "slower"), record.reason  # no defence fired; speed on a CPU is moot
 
 
 @pytest.mark.gpu
@@ -77,6 +77,6 @@ def test_solution_passes_gate_1_at_full_size_on_the_gpu(name, gpu_ceilings):
                       timing=TimingConfig(budget_s=3.0))
     assert record.problem["size"] == "full"
     assert record.gate1 and record.gate1["passed"], record.reason
-    assert record.status in ("passed", "slower"), (record.status, record.reason, record.defences)
+    assert record.status in ("passed", "tie", "slower"), (record.status, record.reason, record.defences)
     assert torch.cuda.max_memory_allocated() < 20e9
     print(f"{name}: {record.speedup:.3f}x eager, gate 1 max abs err {record.gate1['max_abs_err']:.3g}")

@@ -82,6 +82,8 @@ class ReferenceWorker:
         # Each timed call's outputs are copied here, as the candidate's worker copies its own
         # into the mailbox: the two workers' protocols cost the judge's clock the same.
         self.twin = [torch.empty_like(m) for m in self.mailbox]
+        # ...and each timed call's inputs, as the candidate's worker copies its own back into the arena
+        self.inputs_back = [torch.empty_like(t) for t in probe_inputs if isinstance(t, torch.Tensor)]
 
         flops = problem.count_flops(probe_inputs)
         nbytes = problem.count_bytes(probe_inputs, probe_out, model)
@@ -162,10 +164,16 @@ class ReferenceWorker:
             if null:
                 clocks, _ = self.timer.time_call(null_call, ())
             else:
-                # called as the candidate's worker calls its model: the same host path on both sides
+                # A fresh copy of the round's inputs for every timed call (the A/A call runs on
+                # the same draw), called as the candidate's worker calls its model on its copy:
+                # the same host path and the same kind of memory on both sides.
+                self.mine = clone_arguments(self.pristine)
+                synchronize(self.dev)
                 clocks, self.out = self.timer.time_call(lambda _: self.model(*self.mine), ())
                 for twin, t in zip(self.twin, [t for t in flatten_outputs(self.out) if isinstance(t, torch.Tensor)]):
                     twin.copy_(t)
+                for back, t in zip(self.inputs_back, [t for t in self.mine if isinstance(t, torch.Tensor)]):
+                    back.copy_(t)
                 [digest(twin) for twin in self.twin]  # noqa: B018  (the candidate's worker digests its mailbox)
                 synchronize(self.dev)
         return {"clocks": list(clocks)}
@@ -194,7 +202,9 @@ class ReferenceWorker:
             "dispatch_modes": torch._C._len_torch_dispatch_stack(),
             "profile_hook": sys.getprofile() is not None,
             "trace_hook": sys.gettrace() is not None,
-            "parameters": _checksum([*self.model.parameters(), *self.model.buffers()])
+            # parameters, not buffers: a forward may update its buffers itself (BatchNorm's
+            # running statistics in training mode)
+            "parameters": _checksum(list(self.model.parameters()))
             if isinstance(self.model, torch.nn.Module) else None,
         }
         return {k: json.dumps(v) for k, v in state.items()}
