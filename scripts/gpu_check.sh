@@ -161,7 +161,8 @@ if [[ $parts == *" gate2 "* ]]; then
     --no-save --time-budget 2 2>&1 | tee "$out/eval-kb-matmul-fp16.txt"
 fi
 if [[ $parts == *" identity-sample "* ]]; then
-  python3 scripts/identity_sample.py "$kb" "$out" --levels "${KB_LEVELS:-1,2,3}" --budget "${KB_BUDGET:-2}" 2>&1 \
+  python3 scripts/identity_sample.py "$kb" "$out" --levels "${KB_LEVELS:-1,2,3}" --budget "${KB_BUDGET:-2}" \
+    --only "${KB_ONLY:-}" 2>&1 \
     | tee "$out/identity-sample.txt"
 fi
 if [[ $parts == *" judge-overhead "* ]]; then

@@ -1,6 +1,7 @@
 """Gate 2's bias check: every problem against itself, as `kforge eval` judges a candidate.
 
     python scripts/identity_sample.py KERNELBENCH_DIR OUT [--every 4] [--levels 1,2,3] [--budget 2]
+                                      [--only 21_Sigmoid,89_cumsum]
 
 For every `--every`-th problem file of each KernelBench level (KERNELBENCH_DIR/level1...,
 files unchanged), the candidate is the same file with `Model` renamed `ModelNew`: the
@@ -24,11 +25,11 @@ from kforge.harness.record import append_record
 from kforge.harness.timing import TimingConfig
 
 
-def sample(root: Path, levels: list[int], every: int) -> list[tuple[int, Path]]:
+def sample(root: Path, levels: list[int], every: int, only: set[str] | None = None) -> list[tuple[int, Path]]:
     picked = []
     for level in levels:
         files = sorted((root / f"level{level}").glob("*.py"), key=lambda p: int(p.name.split("_")[0]))
-        picked += [(level, path) for path in files[::every]]
+        picked += [(level, path) for path in files[::every] if not only or path.stem in only]
     return picked
 
 
@@ -46,13 +47,15 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--levels", default="1,2,3")
     parser.add_argument("--budget", type=float, default=2.0, help="gate 2's time budget per problem (s)")
+    parser.add_argument("--only", default="", help="only these problems of the sample (file names without .py)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     store = args.out / "identity-sample.jsonl"
     levels = [int(x) for x in args.levels.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for level, problem in sample(args.kernelbench, levels, args.every):
+        only = {name for name in args.only.split(",") if name}
+        for level, problem in sample(args.kernelbench, levels, args.every, only):
             started = time.perf_counter()
             record = evaluate_isolated(problem, identity_candidate(problem, Path(folder)),
                                        timing=TimingConfig(budget_s=args.budget), remeasure_above=None,

@@ -75,3 +75,31 @@ def test_speedups_above_the_threshold_are_measured_again_in_a_fresh_worker(cpu, 
                                device_name=cpu.name, remeasure_above=2.0)
     assert record.status == "passed" and "excessive_speedup" in record.defences, record.reason
     assert any("measured twice in fresh workers: 4x, then 4x" in w for w in record.warnings), record.warnings
+
+
+INPLACE_PROBLEM = """
+    import torch
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return x.mul_(2)  # the result is also left in its input
+    def get_inputs():
+        return [torch.rand(1000)]
+    def get_init_inputs():
+        return []
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("body, correct", [("return x.mul_(2)", True), ("return x * 2", False)])
+def test_a_reference_that_changes_its_inputs_holds_the_candidate_to_the_same(write, cpu, cpu_ceilings, body,
+                                                                              correct):
+    # the candidate's worker is then called on the arena's views, where the reference worker sees them
+    problem = write("inplace.py", INPLACE_PROBLEM)
+    candidate = write("candidate.py", f"import torch\nclass ModelNew(torch.nn.Module):\n"
+                                      f"    def forward(self, x):\n        {body}\n")
+    record = evaluate_isolated(problem, candidate, timing=scripted_timing(speedup=2.0), ceilings=cpu_ceilings,
+                               size="full", device_name=cpu.name)
+    if correct:
+        assert record.status == "passed" and record.gate2["rechecked_rounds"] > 1, record.reason
+    else:
+        assert record.status == "incorrect" and record.gate1["failure"] == "mutated_inputs", record.reason

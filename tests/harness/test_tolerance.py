@@ -98,14 +98,20 @@ def test_bad_precision_contracts_are_refused(write, source, message):
 
 def test_exposing_draws_flip_signs_and_spread_magnitudes_reproducibly():
     x = torch.rand(10_000) + 0.5
-    a, b = expose([x, torch.arange(3), 2.0], seed=3), expose([x, torch.arange(3), 2.0], seed=3)
-    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], expose([x], seed=4)[0])
+    a, b = expose([x.clone(), torch.arange(3), 2.0], seed=3), expose([x.clone(), torch.arange(3), 2.0], seed=3)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], expose([x.clone()], seed=4)[0])
+    strided = x.clone().view(100, 100).t()  # not contiguous: exposed in place all the same
+    assert 0.45 < (expose([strided], seed=3)[0] < 0).float().mean() < 0.55 and not strided.is_contiguous()
     assert 0.45 < (a[0] < 0).float().mean() < 0.55  # random signs
     ratio = (a[0] / x).abs()
     assert ratio.min() >= 2 ** -4 * 0.99 and ratio.max() <= 2 ** 4 * 1.01 and ratio.max() > 8
     assert torch.equal(a[1], torch.arange(3)) and a[2] == 2.0  # integers and numbers untouched
     x16 = torch.rand(100, dtype=torch.bfloat16) + 0.5
-    assert torch.equal(expose([x16], seed=3)[0].abs(), x16)  # 16-bit: signs only (a spread could overflow fp16)
+    assert torch.equal(expose([x16.clone()], seed=3)[0].abs(), x16)  # 16-bit: signs only (a spread could overflow fp16)
+    big = torch.rand(3 * (1 << 23)) + 0.5  # more than one chunk: every chunk is exposed
+    exposed = expose([big.clone()], seed=5)[0]
+    for chunk in exposed.split(1 << 23):
+        assert 0.45 < (chunk < 0).float().mean() < 0.55
 
 
 def test_the_comparison_names_the_test_that_decided(problem_path):

@@ -547,7 +547,7 @@ class Judge:
         return dict(candidate=str(self.candidate), device=self.hello["device"]["kind"], arena=setup["arena"],
                     init=setup["init"], inputs=setup["inputs"], mailbox=setup["mailbox"],
                     init_seed=derive_seed(self.seed, "init"),
-                    forbidden_ops=setup["forbidden_ops"])
+                    forbidden_ops=setup["forbidden_ops"], own_inputs=not setup.get("mutates_inputs", False))
 
     def _kill_candidate(self) -> int | None:
         """Kill the candidate's worker and all it started; its exit status (negative: a signal)."""

@@ -268,20 +268,32 @@ def _parse_precision(value) -> str:
     raise ProblemError(f"problem's `precision` must be one of {', '.join(map(repr, PRECISIONS))}, got {value!r}")
 
 
+EXPOSE_CHUNK = 1 << 24  # elements drawn at a time: KernelBench's inputs reach 12 GiB
+
+
 def expose(inputs: list, seed: int) -> list:
     """Each floating tensor times random signs and, at fp32 and wider, a magnitude spread
-    of 2^-4..2^4 (16-bit inputs keep theirs: the spread would overflow fp16)."""
-    out = []
+    of 2^-4..2^4 (16-bit inputs keep theirs: the spread would overflow fp16). In place,
+    chunk by chunk: the draw's own tensors, and never more than a chunk of temporaries."""
+    seen = set()
     for index, x in enumerate(inputs):
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
-            generator = torch.Generator(device=x.device).manual_seed((seed + 7919 * index) % (1 << 63))
-            signs = torch.randint(0, 2, x.shape, generator=generator, device=x.device).mul_(2).sub_(1)
-            x = x * signs.to(x.dtype)
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()) or id(x) in seen:
+            continue
+        seen.add(id(x))  # an input passed twice is exposed once
+        generator = torch.Generator(device=x.device).manual_seed((seed + 7919 * index) % (1 << 63))
+        flat = x.view(-1) if x.is_contiguous() else None
+        target = flat if flat is not None else x.reshape(-1).clone()
+        for start in range(0, target.numel(), EXPOSE_CHUNK):
+            part = target[start:start + EXPOSE_CHUNK]
+            factor = torch.empty(part.shape, device=x.device, dtype=torch.float32)
+            factor.bernoulli_(0.5, generator=generator).mul_(2).sub_(1)
             if torch.finfo(x.dtype).bits >= 32:
-                spread = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
-                x = x * torch.exp2(spread.mul_(8).sub_(4)).to(x.dtype)
-        out.append(x)
-    return out
+                spread = torch.rand(part.shape, generator=generator, device=x.device, dtype=torch.float32)
+                factor.mul_(torch.exp2(spread.mul_(8).sub_(4)))
+            part.mul_(factor.to(x.dtype))
+        if flat is None:
+            x.copy_(target.view(x.shape))
+    return inputs
 
 
 def _parse_tags(value) -> list[str]:

@@ -34,8 +34,8 @@ import torch
 
 from kforge.errors import KforgeError, ProblemError
 from kforge.harness.channel import WorkerEnd, serve
-from kforge.harness.correctness import (Comparison, clone_arguments, compare_claimed, compare_inputs,
-                                        outputs_finite)
+from kforge.harness.correctness import (Comparison, arguments_equal, clone_arguments, compare_claimed,
+                                        compare_inputs, outputs_finite)
 from kforge.harness.defences import poison
 from kforge.harness.loading import call_user, fp32_means_fp32, synchronize
 from kforge.harness.problem import flatten_outputs, load_problem
@@ -66,8 +66,13 @@ class ReferenceWorker:
                                    stage="torch.compile of the reference failed", user_file=problem.path)
         with torch.no_grad():
             probe_inputs = problem.make_inputs(probe_seed, self.dev)
-            probe_out = problem.run_reference(self.model, clone_arguments(probe_inputs))
+            probe_copy = clone_arguments(probe_inputs)
+            probe_out = problem.run_reference(self.model, probe_copy)
         synchronize(self.dev)
+        # Does the reference change its inputs in place? Then the candidate's worker must be
+        # called on the arena's views, where the reference worker can see what it left.
+        self.mutates_inputs = not arguments_equal(probe_copy, probe_inputs)
+        del probe_copy
 
         layout = Layout()
         self.init_desc = describe(list(init_inputs), layout.place)
@@ -82,8 +87,6 @@ class ReferenceWorker:
         # Each timed call's outputs are copied here, as the candidate's worker copies its own
         # into the mailbox: the two workers' protocols cost the judge's clock the same.
         self.twin = [torch.empty_like(m) for m in self.mailbox]
-        # ...and each timed call's inputs, as the candidate's worker copies its own back into the arena
-        self.inputs_back = [torch.empty_like(t) for t in probe_inputs if isinstance(t, torch.Tensor)]
 
         flops = problem.count_flops(probe_inputs)
         nbytes = problem.count_bytes(probe_inputs, probe_out, model)
@@ -95,6 +98,7 @@ class ReferenceWorker:
             flops=flops, bytes=nbytes, compute_dtype=problem.compute_dtype_for(probe_inputs),
             forbidden_ops=problem.forbidden_ops, tolerance=list(problem.tolerance_for(_first_dtype(probe_out))),
             rel_l2_bound=problem.rel_l2_for(_first_dtype(probe_out)), exposed_trials=problem.exposed_trials,
+            mutates_inputs=self.mutates_inputs,
             cache_bytes=self.device.cache_bytes,
         )
 
@@ -164,16 +168,17 @@ class ReferenceWorker:
             if null:
                 clocks, _ = self.timer.time_call(null_call, ())
             else:
-                # A fresh copy of the round's inputs for every timed call (the A/A call runs on
-                # the same draw), called as the candidate's worker calls its model on its copy:
-                # the same host path and the same kind of memory on both sides.
-                self.mine = clone_arguments(self.pristine)
+                # The round's inputs copied afresh into this worker's buffers before every timed
+                # call (the A/A call runs on the same draw, and a reference may change its
+                # inputs in place), as the candidate's worker refreshes its own copy from the
+                # arena: the same protocol, host path and kind of memory on both sides.
+                for mine, pristine in zip(self.mine, self.pristine):
+                    if isinstance(mine, torch.Tensor):
+                        mine.copy_(pristine)
                 synchronize(self.dev)
                 clocks, self.out = self.timer.time_call(lambda _: self.model(*self.mine), ())
                 for twin, t in zip(self.twin, [t for t in flatten_outputs(self.out) if isinstance(t, torch.Tensor)]):
                     twin.copy_(t)
-                for back, t in zip(self.inputs_back, [t for t in self.mine if isinstance(t, torch.Tensor)]):
-                    back.copy_(t)
                 [digest(twin) for twin in self.twin]  # noqa: B018  (the candidate's worker digests its mailbox)
                 synchronize(self.dev)
         return {"clocks": list(clocks)}
