@@ -111,6 +111,10 @@ def test_report_regenerates_markdown_from_the_records(cli, tmp_path, write):
     text = (tmp_path / "RESULTS.md").read_text()
     assert "## some-device" in text and "### bench" in text
     assert f"{record.speedup:.3f}x" in text and "kforge eval row_sums.py fast.py" in text
+    # without -o: RESULTS.md in the results folder ($KFORGE_RESULTS_DIR here), never in the repository
+    default = kforge("report", tmp_path / "results", cwd=tmp_path,
+                     env_extra={"KFORGE_RESULTS_DIR": str(tmp_path / "out")})
+    assert default.returncode == 0 and (tmp_path / "out" / "RESULTS.md").read_text() == text, default.stderr
 
 
 @pytest.mark.slow

@@ -750,15 +750,19 @@ def roofline_command(
 @app.command("report")
 def report_command(
     results_dir: Path = typer.Argument(Path("benchmarks/results"), help="Folder of <device>/<bench>.jsonl records."),
-    output: Path = typer.Option(Path("benchmarks/RESULTS.md"), "--output", "-o", help="Markdown file to write."),
+    output: Path = typer.Option(None, "--output", "-o", help="Markdown file to write (default: RESULTS.md in "
+                                "$KFORGE_RESULTS_DIR, else in ./kforge-results/).", show_default=False),
 ) -> None:
-    """Regenerate the Markdown results tables from the records (a view; measures nothing)."""
+    """Every record's table as one Markdown page (a view; measures nothing). The docs' own
+    tables are written by `python -m kforge.docs_tables`."""
     from kforge.views import results_markdown
 
     if not results_dir.is_dir():
         raise KforgeError(f"no results folder: {results_dir}")
+    output = output or default_results("RESULTS.md")
     with _store_warnings():
         text = results_markdown(results_dir)
+    output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)
     err.print(f"wrote {output}", style="dim")
 

@@ -74,6 +74,10 @@ def test_a_problem_can_keep_its_inputs_as_drawn(write):
     problem = load_problem(path)
     assert problem.exposed_trials == 0 and problem.tolerance == (1e-3, 1e-3)
     assert problem.rel_l2_for(torch.float32) == 1e-4 and problem.rel_l2_for(torch.int64) is None
+    # without rel_l2, a problem's own tolerance loosens the L2 bound to its larger term
+    loose = write("loose.py", path.read_text().replace('"rel_l2": 1e-4', '"rel_l2": None').replace(
+        ', "rel_l2": None', "").replace('"atol": 1e-3', '"atol": 1e-2'))
+    assert load_problem(loose).rel_l2_for(torch.float32) == 1e-2
 
 
 @pytest.mark.parametrize("source, message", [

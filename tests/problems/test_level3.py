@@ -65,7 +65,7 @@ def test_solution_passes_gate_1_at_the_tiny_size(name, cpu, cpu_ceilings):
     record = evaluate(PROBLEMS / f"{name}.py", SOLUTIONS / f"{name}.py", device=cpu, ceilings=cpu_ceilings,
                       timing=ONE_ROUND)
     assert record.gate1 and record.gate1["passed"], record.reason
-    assert record.problem["size"] == "tiny" and record.gate1["trials_passed"] == 5
+    assert record.problem["size"] == "tiny" and record.gate1["trials_passed"] == 7
     assert record.status in ("passed", "tie", "slower"), record.reason  # no defence fired; speed on a CPU is moot
 
 

@@ -10,7 +10,8 @@ these kforge names (all optional):
                                  once plus every output written once
     tolerance = 1e-3             atol = rtol = 1e-3; or {"atol": ..., "rtol": ..., "rel_l2": ...};
                                  default by output dtype (fp32 1e-4, fp16/bf16 1e-2; the
-                                 relative L2 bound fp32 1e-5, fp16 5e-3, bf16 1e-2)
+                                 relative L2 bound fp32 1e-5, fp16 5e-3, bf16 1e-2, or
+                                 the atol or rtol given here, whichever is largest)
     precision = "as_drawn"       gate 1 only on get_inputs()'s own draws; by default
                                  ("exposed") it adds trials on the same draws with random
                                  signs and magnitudes spread over 2^-4..2^4, where
@@ -154,8 +155,9 @@ class Problem:
         if self.rel_l2 is not None:
             return self.rel_l2
         default = DEFAULT_REL_L2.get(dtype, 1e-2)
-        # a problem that loosens its elementwise tolerance loosens this bound with it
-        return max(default, self.tolerance[1]) if self.tolerance is not None else default
+        # A problem that sets its own elementwise tolerance (and no rel_l2) loosens this bound
+        # with it: to its atol or rtol, whichever is larger (a loss of ~10 held to atol 1e-2).
+        return max(default, *self.tolerance) if self.tolerance is not None else default
 
     def compute_dtype_for(self, inputs: Sequence) -> str | None:
         if self.compute_dtype is not None:
@@ -272,12 +274,15 @@ EXPOSE_CHUNK = 1 << 24  # elements drawn at a time: KernelBench's inputs reach 1
 
 
 def expose(inputs: list, seed: int) -> list:
-    """Each floating tensor times random signs and, at fp32 and wider, a magnitude spread
-    of 2^-4..2^4 (16-bit inputs keep theirs: the spread would overflow fp16). In place,
+    """Each floating tensor of 16 bits or more times random signs and, at fp32 and wider, a
+    magnitude spread of 2^-4..2^4 (16-bit inputs keep theirs: the spread would overflow
+    fp16; fp8 tensors are left alone: quantized payloads). In place,
     chunk by chunk: the draw's own tensors, and never more than a chunk of temporaries."""
     seen = set()
     for index, x in enumerate(inputs):
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel()) or id(x) in seen:
+            continue
+        if torch.finfo(x.dtype).bits < 16:  # fp8 payloads: a format, not values to expose
             continue
         seen.add(id(x))  # an input passed twice is exposed once
         generator = torch.Generator(device=x.device).manual_seed((seed + 7919 * index) % (1 << 63))
