@@ -32,11 +32,11 @@ python3 -c "import torch, triton, cuda.core; print('torch', torch.__version__, '
 # `kforge roofline` measures and caches the ceilings every evaluation below reads.
 python3 -m kforge roofline 2>&1 | tee "$out/cli_roofline.txt"
 if [[ $parts == *" tests "* ]]; then
-  python3 -m pytest -q -m gpu tests 2>&1 | tail -25 | tee "$out/pytest-gpu.log"
+  python3 -m pytest -q -m gpu tests 2>&1 | tail -25 | tee "$out/pytest-gpu.txt"
 fi
 if [[ $parts == *" examples "* ]]; then
   python3 -m kforge eval examples/problems/softmax.py examples/triton/softmax.py --no-save 2>&1 | tee "$out/cli_eval.txt"
-  python3 scripts/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu_check.log"
+  python3 scripts/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu_check.txt"
 fi
 if [[ $parts == *" sweep "* ]]; then
   python3 -m kforge ladder gemm --dtype fp32 --size 4096 --sweep --time-budget 2 \
