@@ -58,46 +58,36 @@ def test_an_exposing_draw_outside_the_references_domain_is_skipped(judged):
     assert record.gate1["exposed_skipped"] == 2
 
 
+IDENTITY_PROBLEM = """
+import torch
+{contract}
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return x
+def get_inputs():
+    return [torch.rand(4)]
+def get_init_inputs():
+    return []
+"""
+
+
 def test_a_problem_can_keep_its_inputs_as_drawn(write):
-    path = write("as_drawn.py", """
-        import torch
-        precision = "as_drawn"
-        tolerance = {"atol": 1e-3, "rtol": 1e-3, "rel_l2": 1e-4}
-        class Model(torch.nn.Module):
-            def forward(self, x):
-                return x
-        def get_inputs():
-            return [torch.rand(4)]
-        def get_init_inputs():
-            return []
-    """)
-    problem = load_problem(path)
+    contract = 'precision = "as_drawn"\ntolerance = {"atol": 1e-3, "rtol": 1e-3, "rel_l2": 1e-4}'
+    problem = load_problem(write("as_drawn.py", IDENTITY_PROBLEM.format(contract=contract)))
     assert problem.exposed_trials == 0 and problem.tolerance == (1e-3, 1e-3)
     assert problem.rel_l2_for(torch.float32) == 1e-4 and problem.rel_l2_for(torch.int64) is None
     # without rel_l2, a problem's own tolerance loosens the L2 bound to its larger term
-    loose = write("loose.py", path.read_text().replace('"rel_l2": 1e-4', '"rel_l2": None').replace(
-        ', "rel_l2": None', "").replace('"atol": 1e-3', '"atol": 1e-2'))
+    loose = write("loose.py", IDENTITY_PROBLEM.format(contract='tolerance = {"atol": 1e-2, "rtol": 1e-3}'))
     assert load_problem(loose).rel_l2_for(torch.float32) == 1e-2
 
 
-@pytest.mark.parametrize("source, message", [
+@pytest.mark.parametrize("contract, message", [
     ('precision = "fp8"', "precision"),
     ('tolerance = {"rel_l2": -1}', "rel_l2"),
 ])
-def test_bad_precision_contracts_are_refused(write, source, message):
-    path = write("bad.py", f"""
-        import torch
-        {source}
-        class Model(torch.nn.Module):
-            def forward(self, x):
-                return x
-        def get_inputs():
-            return [torch.rand(4)]
-        def get_init_inputs():
-            return []
-    """)
+def test_bad_precision_contracts_are_refused(write, contract, message):
     with pytest.raises(ProblemError, match=message):
-        load_problem(path)
+        load_problem(write("bad.py", IDENTITY_PROBLEM.format(contract=contract)))
 
 
 def test_exposing_draws_flip_signs_and_spread_magnitudes_reproducibly():
