@@ -9,7 +9,7 @@ is checked. Then:
 - every output must be a plain torch.Tensor (not a subclass), with the reference's
   structure, shape, dtype and device;
 - no NaN or Inf where the reference has none; every element within atol + rtol * |ref|;
-- and ||out - ref|| / ||ref|| within the dtype's relative L2 bound (problem.DEFAULT_REL_L2).
+- and ||out - ref|| / ||ref|| within the dtype's relative L2 bound (problem.DEFAULT_TOLERANCE).
   An output whose reference values all lie within atol of zero is judged by that bound
   alone: the elementwise test would pass anything as small (`x * 0` for a softmax of wide
   rows). The comparison names the test that decided (`test`).

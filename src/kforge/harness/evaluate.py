@@ -88,9 +88,9 @@ def evaluate(
     size: "full", "tiny" or "auto" (tiny if the problem defines tiny_sizes); default
     "full" on a GPU and "auto" elsewhere. `on_stage(name)` is told when each stage
     begins ("load", "gate1", "gate2"). `min_speedup`: the bar the speedup's 95% interval
-    must clear for "passed" (default: 1 + the measured noise floor). Raises KforgeError only for arguments that make
-    no sense (a missing file, an unknown baseline); everything the problem or the
-    candidate does wrong comes back as a record with an error status.
+    must clear for "passed" (default: 1 + the measured noise floor). Raises KforgeError
+    only for arguments that make no sense (a missing file, an unknown baseline); everything
+    the problem or the candidate does wrong comes back as a record with an error status.
     """
     check_arguments(problem, candidate, baseline, trials, size, min_speedup)
     device = device or current_device()
@@ -190,7 +190,7 @@ class _Run:
         integrity.check()
         ceilings = ceilings or get_ceilings(self.device)
         roof = _roofline(problem, reference, gate1, ceilings)
-        verdict = speed_verdict(run, self.min_speedup)
+        verdict = speed_verdict(run.per_call, self.min_speedup)
         status, reason = gate2_verdict(run, roof, ceilings, self.baseline, self.warnings, self.defences, verdict)
         return self.record(status, reason, gate1=gate1.to_dict(), gate2=gate2_fields(status, run, verdict),
                            roofline=roofline_fields(roof, run, ceilings))
@@ -235,16 +235,15 @@ class _Run:
         return run
 
 
-def speed_verdict(run: TimingRun, min_speedup: float | None = None) -> Verdict:
-    """Gate 2's statistics: the paired per-round ratios, their interval, the A/A noise floor."""
-    calls = run.per_call
+def speed_verdict(calls: dict[str, list[float]], min_speedup: float | None = None) -> Verdict:
+    """Gate 2's statistics on per-call times (a run's `per_call`): the paired per-round
+    ratios, their interval, the A/A noise floor."""
     return judge_speed(calls["reference"], calls["candidate"], calls.get(AA), min_speedup=min_speedup)
 
 
 def decided_by(min_speedup: float | None) -> Callable[[dict[str, list[float]]], bool]:
     """For the timing engine's stop rule: is the verdict on these per-call times decided?"""
-    return lambda calls: judge_speed(calls["reference"], calls["candidate"], calls.get(AA),
-                                     min_speedup=min_speedup).decided
+    return lambda calls: speed_verdict(calls, min_speedup).decided
 
 
 def gate2_verdict(run: TimingRun, roof: Roofline, ceilings: Ceilings, baseline: str, warnings: list[str],

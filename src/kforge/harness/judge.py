@@ -207,7 +207,7 @@ class Judge:
         if claimed <= 0:
             raise Ended("rejected", "the candidate's worker claimed calls that took no time: its timings were forged",
                         defences=("timing_claims",))
-        verdict = speed_verdict(run, self.min_speedup)
+        verdict = speed_verdict(run.per_call, self.min_speedup)
         excess, allowed = check.excess_ms(gaps, claimed)
         claims = {"median_gap_ms": {name: statistics.median(g) for name, g in gaps.items()},
                   "excess_ms": excess, "allowed_ms": allowed}

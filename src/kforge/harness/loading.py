@@ -82,6 +82,6 @@ def synchronize(device: torch.device) -> None:
 def fp32_means_fp32() -> None:
     """Both workers start with fp32 convolutions and RNNs in fp32: PyTorch's default lets
     cuDNN round them to tf32 (10-bit mantissa, as coarse as fp16), which gate 1's fp32
-    bound (problem.DEFAULT_REL_L2) exists to catch. cuBLAS matmuls are fp32 by default."""
+    bound (problem.DEFAULT_TOLERANCE) exists to catch. cuBLAS matmuls are fp32 by default."""
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False

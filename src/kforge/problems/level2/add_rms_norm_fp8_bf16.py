@@ -20,7 +20,7 @@ EPS = 1e-6
 E4M3_MAX = 448.0
 
 tags = ["level2", "bf16", "fp8", "norm", "quantize", "fusion"]
-precision = "as_drawn"  # quantized payloads and their scales keep their format: gate 1 does not flip their signs or spread them
+precision = "as_drawn"  # quantized payloads and their scales keep their format: not exposed
 tiny_sizes = {"TOKENS": 5, "HIDDEN": 1000}
 # One tolerance for all three outputs. q is e4m3 (3 mantissa bits): where the last bits of
 # the mean of squares move a bf16 rounding of the normed row (~1e-5 of elements), q may

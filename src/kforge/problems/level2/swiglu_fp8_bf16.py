@@ -19,7 +19,7 @@ TOKENS, INTERMEDIATE, GROUP = 8192, 14336, 128
 E4M3_MAX = 448.0
 
 tags = ["level2", "bf16", "fp8", "swiglu", "quantize", "fusion"]
-precision = "as_drawn"  # quantized payloads and their scales keep their format: gate 1 does not flip their signs or spread them
+precision = "as_drawn"  # quantized payloads and their scales keep their format: not exposed
 tiny_sizes = {"TOKENS": 9, "INTERMEDIATE": 384}
 # As add_rms_norm_fp8_bf16.py: q may land one e4m3 step away where the last bits of the
 # sigmoid move a bf16 rounding of silu(gate) (~1e-4 of elements); scales are exact.

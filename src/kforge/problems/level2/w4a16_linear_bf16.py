@@ -20,7 +20,7 @@ from torch import nn
 TOKENS, IN_FEATURES, OUT_FEATURES, GROUP = 16, 4096, 14336, 128
 
 tags = ["level2", "bf16", "int4", "quantize", "gemv", "fusion"]
-precision = "as_drawn"  # quantized payloads and their scales keep their format: gate 1 does not flip their signs or spread them
+precision = "as_drawn"  # quantized payloads and their scales keep their format: not exposed
 compute_dtype = "bf16"
 tiny_sizes = {"TOKENS": 3, "IN_FEATURES": 256, "OUT_FEATURES": 40}
 forbidden_ops = ["aten::mm", "aten::matmul", "aten::addmm", "aten::bmm", "aten::linear"]

@@ -15,7 +15,7 @@ B, N, K = 1, 14336, 4096
 GROUP = 128
 
 tags = ["quant", "int4", "gemv", "bench"]
-precision = "as_drawn"  # quantized payloads and their scales keep their format: gate 1 does not flip their signs or spread them
+precision = "as_drawn"  # quantized payloads and their scales keep their format: not exposed
 tiny_sizes = {"B": 3, "N": 40, "K": 256}
 tolerance = {"atol": 2e-2, "rtol": 2e-2}  # fp32 sums in different orders, one bf16 rounding
 
