@@ -149,12 +149,12 @@ if [[ $parts == *" profile-gemm "* ]]; then
 fi
 if [[ $parts == *" harness "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs tests/harness/test_hostile.py tests/harness/test_defences.py \
-    tests/harness/test_judge_gpu.py tests/harness/test_gpu.py 2>&1 | tail -60 | tee "$out/pytest-harness-gpu.log"
+    tests/harness/test_judge_gpu.py tests/harness/test_gpu.py 2>&1 | tail -60 | tee "$out/pytest-harness-gpu.txt"
 fi
 kb="${KB_DIR:-$PWD/.kb/KernelBench}"
 if [[ $parts == *" gate2 "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs tests/harness/test_gate2_gpu.py tests/harness/test_judge_gpu.py 2>&1 \
-    | tail -40 | tee "$out/pytest-gate2-gpu.log"
+    | tail -40 | tee "$out/pytest-gate2-gpu.txt"
   python3 -m kforge eval "$kb/level1/23_Softmax.py" tests/fixtures/candidates/softmax_of_zeros.py --no-save \
     --time-budget 2 2>&1 | tee "$out/eval-kb-softmax-of-zeros.txt"
   python3 -m kforge eval "$kb/level1/1_Square_matrix_multiplication_.py" tests/fixtures/candidates/matmul_fp16.py \

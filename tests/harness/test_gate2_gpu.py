@@ -41,12 +41,6 @@ def test_an_fp16_matmul_fails_the_fp32_contract(gpu_ceilings):
     assert record.gate1["test"] in ("rel_l2", "rel_l2_exposed", "elementwise"), record.gate1
 
 
-CANDIDATE_PENALTY = ("the candidate's worker measures 1-2% slower than the reference's on the same kernels "
-                     "(H100, 2026-11-27: square fp32 matmul 0.988x, KernelBench MLP 0.986x; not the arena's memory, "
-                     "not Landlock, not the stops: docs/worklogs/harness.md); a 3% win is eaten by it")
-
-
-@pytest.mark.xfail(strict=True, reason=CANDIDATE_PENALTY)
 def test_an_honest_3_percent_win_passes(gpu_ceilings):
     record = _judged(FIXTURES / "problems" / "scale_with_waste.py", "scale_no_waste", gpu_ceilings, budget_s=10.0)
     assert record.status == "passed", record.reason
@@ -66,6 +60,5 @@ def test_the_same_code_is_never_faster(identity_record):
     assert identity_record.status in ("tie", "slower"), identity_record.reason
 
 
-@pytest.mark.xfail(strict=True, reason=CANDIDATE_PENALTY)
 def test_the_same_code_measures_within_1_percent(identity_record):
     assert 0.99 <= identity_record.speedup <= 1.01, identity_record.gate2["verdict"]

@@ -38,9 +38,8 @@ def test_a_start_event_recorded_again_is_caught_by_the_judges_clock(gpu_ceilings
 def test_an_honest_candidates_claims_sit_within_the_allowance(gpu_ceilings):
     # the reference itself, renamed: the two workers' gaps agree to well under the allowance
     record = _judged("identity_vector_add", gpu_ceilings, problem=EXAMPLES / "problems" / "vector_add.py")
-    assert record.status in ("tie", "slower"), record.reason
+    assert record.status == "tie", record.reason
     claims = record.gate2["claims"]
     assert abs(claims["excess_ms"]) < claims["allowed_ms"], claims
-    # The same code on both sides, never faster. How much slower (0.64-0.92x measured on the
-    # H100 for this 10 us kernel) is the candidate's worker's open penalty (test_gate2_gpu.py).
-    assert record.speedup < 1.0, record.gate2["verdict"]
+    # a 10 us kernel timed as its device time, launches hidden by the judge's cover, on both sides
+    assert 0.97 <= record.speedup <= 1.03, record.gate2["verdict"]

@@ -139,9 +139,9 @@ def test_a_call_costs_the_longer_of_device_and_host_time():
         "host_bound": [(0.010, 0.028, 0.200)],  # 0.2 ms of host work for 10 us of device work
     }
     per_call = per_call_ms(raw, ["honest", "hidden", "host_bound"])
-    allowance = 0.015 + 0.0001 * 47  # the null calls' 95th percentile
+    typical = 0.015 + 0.0001 * 24.5  # the null calls' median: a tail past their 95th percentile is work
     assert per_call["honest"] == [pytest.approx(0.100)]
-    assert per_call["hidden"] == [pytest.approx(0.501 - allowance)]
+    assert per_call["hidden"] == [pytest.approx(0.501 - typical)]
     assert per_call["host_bound"] == [pytest.approx(0.200)]
     profile = call_profiles(raw, ["honest", "hidden", "host_bound"])
     assert profile["hidden"].off_stream_frac == 1.0 and profile["honest"].off_stream_frac == 0.0

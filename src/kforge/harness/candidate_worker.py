@@ -13,7 +13,8 @@ Commands (JSON lines; judge.py sends them):
     load      import the candidate, build ModelNew under the reference's init seed
     call      one untimed call on the current inputs; outputs into the mailbox (gate 1)
     warm      untimed calls until warm (compilation and autotuning happen here)
-    time      one timed call; its clocks, then its outputs into the mailbox
+    prepare   the round's inputs into the worker's own buffers; the device idle
+    time      one timed call on them; its clocks, then its outputs into the mailbox
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class CandidateWorker:
         self.inputs = rebuild(job["inputs"], self.arena)
         self.mailbox = [self.arena.view(spec) for spec in tensor_leaves(job["mailbox"])]
         self.timer = None
-        self.own = None  # the timed calls' own copy of the inputs (time)
+        self.own = None  # the timed calls' own copy of the inputs (prepare, time)
 
     def load(self) -> dict:
         from kforge.harness.candidate import load_candidate
@@ -56,7 +57,7 @@ class CandidateWorker:
         self.candidate = load_candidate(self.job["candidate"])
         init = clone_arguments(rebuild(self.job["init"], self.arena))  # its own copies, not the arena's
         self.model = self.candidate.build(init, self.job["init_seed"], self.dev)
-        self.timer = call_timer(self.device, flush_l2=False, synced=True)  # the judge flushes (judge.Judge._rest)
+        self.timer = call_timer(self.device, flush_l2=False, judged=True)  # the judge flushes (judge.Judge._rest)
         return {}
 
     def _run(self):
@@ -70,39 +71,43 @@ class CandidateWorker:
 
     def warm(self, min_calls: int, seconds: float) -> dict:
         count, started = 0, None
-        own = self._own_inputs()
+        self.prepare()
         with torch.no_grad():
             while True:
-                self.timer.run_untimed(lambda _: self.candidate.run(self.model, own, self.dev), ())
+                self.timer.run_untimed(lambda _: self.candidate.run(self.model, self._feed(), self.dev), ())
                 count += 1
                 if started is None:
                     started = time.perf_counter()
                 elif (count >= min_calls and time.perf_counter() - started >= seconds) or count >= 1000:
                     return {"calls": count}
 
+    def prepare(self) -> dict:
+        """Before each timed call (a command of its own, so the judge can start its sleep
+        after it): the round's inputs copied from the arena into the worker's own buffers
+        (allocated once), and the device idle. The arena's memory is the reference worker's,
+        mapped here, and a 1 GiB stream read from it ran 1.3% slower than from memory of the
+        worker's own (H100). A problem whose reference changes its inputs in place
+        (`own_inputs` off) is called on the arena's views, so the reference worker sees
+        what the call left there."""
+        if self.job.get("own_inputs", True):
+            if self.own is None:
+                self.own = clone_arguments(self.inputs)
+            else:
+                for mine, shared in zip(self.own, self.inputs):
+                    if isinstance(mine, torch.Tensor):
+                        mine.copy_(shared)
+        synchronize(self.dev)
+        return {}
+
     def time(self) -> dict:
-        """One timed call, on the worker's own copy of the round's inputs: the arena's memory
-        is the reference worker's, mapped here, and a 1 GiB stream read from it ran 1.3% slower
-        than from memory of the worker's own (H100). A problem whose reference changes its
-        inputs in place (`own_inputs` off) is called on the arena's views, so the reference
-        worker sees what the call left there."""
-        own = self._own_inputs()
+        """One timed call on what `prepare` left."""
+        feed = self._feed()
         with torch.no_grad():
-            clocks, out = self.timer.time_call(lambda _: self.model(*own), ())
+            clocks, out = self.timer.time_call(lambda _: self.model(*feed), ())
         return {"clocks": list(clocks), **self._export(out)}
 
-    def _own_inputs(self) -> list:
-        """The worker's own buffers (allocated once), refreshed from the arena."""
-        if not self.job.get("own_inputs", True):
-            return self.inputs
-        if self.own is None:
-            self.own = clone_arguments(self.inputs)
-        else:
-            for mine, shared in zip(self.own, self.inputs):
-                if isinstance(mine, torch.Tensor):
-                    mine.copy_(shared)
-        synchronize(self.dev)
-        return self.own
+    def _feed(self) -> list:
+        return self.own if self.own is not None else self.inputs
 
     def _export(self, out) -> dict:
         """Copy each output tensor into its mailbox slot (when its shape and dtype fit),
@@ -153,7 +158,7 @@ def main() -> int:
     def bound(name):
         return lambda **fields: getattr(worker, name)(**fields)
 
-    serve(end, {"setup": setup, **{name: bound(name) for name in ("load", "call", "warm", "time")}},
+    serve(end, {"setup": setup, **{name: bound(name) for name in ("load", "call", "warm", "prepare", "time")}},
           error_reply)
     return 0
 

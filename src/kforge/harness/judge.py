@@ -54,6 +54,12 @@ LOG_TAIL = 4000  # characters of a worker's output kept in a crash record
 HARNESS = Path(__file__).resolve().parent
 BOOT_S = 120.0  # for both workers to start (importing torch takes seconds, more on a busy machine)
 WARDEN_WAIT_S = 30.0  # to start the candidate's worker, or to kill and reap its tree
+# The judge's cover before each timed call (ms): twice the reference's host time, within
+# these bounds. Long enough for a stopped worker to wake and launch (a 0.5 ms cover left a
+# 10 us add's candidate at 0.51x its reference, its launch inside the window); short
+# enough that the GPU never hands the worker a time slice mid-cover (a 4 ms sleep of the
+# judge's grew a matmul's window by 0.38 ms, a 2 ms one by under 1%; H100, 2026-11-27).
+COVER_MS = (1.0, 1.5)
 
 
 @dataclass
@@ -78,15 +84,17 @@ class StageLimits:
 class ClaimsCheck:
     """How far the candidate's claimed call times may sit under the judge's own clock.
 
-    For each call, gap = the judge's time for it (command to reply, plus its GPU probe)
-    minus the claimed whole-device time (on a CPU, the claimed time). An honest worker's
-    gap is the protocol around the call (the flush, the GPU sleep, the copy into the
-    mailbox, the pipe), the same for both workers, which run the same kforge code; a
-    claim shortened by d ms widens the gap by d. The check fires when the candidate's
-    median gap exceeds the reference's by more than `abs_ms + rel * the candidate's
-    median claimed time`. The workers' host clocks decide nothing: their calls start with
-    the host and the GPU in step (timing.call_timer's `synced`), so the device's clock
-    holds the launches too, and a call costs its device time.
+    For each call, gap = the judge's time for it minus the claimed whole-device time. On a
+    GPU the judge's time is `held_ms`, on its own CUDA events: from the end of its cover to
+    the worker's reply, the worker's whole turn on the GPU. An honest gap is the protocol
+    after the call (the copy into the mailbox, the reply), the same for both workers,
+    which run the same kforge code, and host time does not enter it: launches the cover
+    hid are before its end, and launches it did not hide are inside the claimed window
+    as the device waiting. On a CPU the judge's time is its wall clock from the `prepare`
+    command to the `time` reply. A claim shortened by d ms widens the gap by d. The
+    check fires when the candidate's median gap exceeds the reference's by more than
+    `abs_ms + rel * the candidate's median claimed time`. The workers' host clocks
+    decide nothing.
     """
 
     abs_ms: float
@@ -153,6 +161,7 @@ class Judge:
         self.hello: dict = {}
         self.reference = self.warden = self.worker = self.gate1 = None
         self._probe_tensor = self._rest_timer = None  # the judge's own CUDA context, on a GPU
+        self.held_ms = None  # the last timed call's turn on the GPU, on the judge's events (_reply_seen)
         self.scratch = Path(tempfile.mkdtemp(prefix="kforge-", dir=scratch_root()))
         # The arena's file (used on a CPU) exists before either worker starts, in a folder the
         # candidate cannot write: it can write the file's bytes, never swap it for a link.
@@ -264,7 +273,8 @@ class Judge:
         # from the judge's own process, with the L2 flush: neither can be skipped.
         cover = None
         if self._rest_timer is not None:
-            self._rest_timer.set_cover(2 * _number(warm.get("host_ms")))
+            low, high = COVER_MS
+            self._rest_timer.set_cover(min(max(2 * _number(warm.get("host_ms")), low), high))
             cover = self._rest_timer.cover_ms
 
         # The reference is timed twice a round (AA): the A/A pair measures the noise floor
@@ -281,16 +291,23 @@ class Judge:
             claims = None
             for name in order:
                 if name == "candidate":
+                    self._ask_candidate({"op": "prepare"})
+                    prepared_ms = self.wall_ms
                     reply = self._ask_candidate({"op": "time"}, timed=True)
                     claims = _claims(reply)
+                elif name == "null":
+                    reply, prepared_ms = self._ask_reference({"op": "time", "null": True}), 0.0
                 else:
-                    reply = self._ask_reference({"op": "time", "null": name == "null"}, timed=name != "null")
+                    self._ask_reference({"op": "prepare"})
+                    prepared_ms = self.wall_ms
+                    reply = self._ask_reference({"op": "time"}, timed=True)
                 clocks = _clocks(reply.get("clocks"), name)
                 if name == "candidate" and max(clocks) <= 0:
                     raise Ended("rejected", "the candidate's worker claimed a call that took no time: its timings "
                                             "were forged", defences=("timing_claims",))
-                if name in gaps:  # against the device's clock, which holds the whole call
-                    gaps[name].append(self.wall_ms - clocks[1])
+                if name in gaps:  # the judge's clock for the call against the device time it claims
+                    judged_ms = self.held_ms if self.held_ms is not None else prepared_ms + self.wall_ms
+                    gaps[name].append(judged_ms - clocks[1])
                 raw[name].append(scripted(config, name, rounds, clocks))
             rounds += 1
             stop_reason = stopper.check(raw, rounds)
@@ -339,6 +356,7 @@ class Judge:
             if pause:
                 containment.signal_all([self.reference.process.pid], signal.SIGCONT)
             reply = self.reference.channel.request(message, self.deadline)
+            self._reply_seen(timed)
             if pause:
                 containment.signal_all([self.reference.process.pid], signal.SIGSTOP)
             if timed:
@@ -369,6 +387,7 @@ class Judge:
             started = time.perf_counter()
             containment.signal_all(tree, signal.SIGCONT)
             reply = self.worker.channel.request(message, self.deadline)
+            self._reply_seen(timed)
             containment.signal_all(tree, signal.SIGSTOP)
             self._probe()
             self.wall_ms = (time.perf_counter() - started) * 1e3
@@ -422,11 +441,31 @@ class Judge:
 
     def _rest(self) -> None:
         """Before a timed call of either worker, from the judge's own CUDA context: flush the
-        L2, let the GPU rest, wait for both. The GPU was last the judge's before every call."""
+        L2 and wait for it, then queue the GPU's sleep (the cover) and do not wait for it.
+        The worker's context cannot run while the judge's has work (contexts take turns on
+        the GPU), so the worker launches its call during the cover and its window starts
+        when the cover ends: the launch latency stays out of the window, and no stream of
+        the worker's can start before it. (A flush still running when the worker's launches
+        came let the GPU switch to the worker between the flush and the sleep: a 10 us add's
+        medians read 35 us on both sides, 10.4 us with the wait; H100, 2026-11-27.) The
+        worker was idle since its `prepare`."""
         if self._rest_timer is not None:
             with self._torch.cuda.device(self._probe_tensor.device):
-                self._rest_timer.rest()
-        self._probe()
+                self._rest_timer.flush()
+                self._torch.cuda.synchronize()
+                self._rest_timer.sleep()
+                self._cover_end.record()
+
+    def _reply_seen(self, timed: bool) -> None:
+        """The GPU's time from the end of the cover to the worker's reply, on the judge's
+        own events (`held_ms`): the worker's whole turn on the GPU, its call and the
+        protocol after it, which its claimed device time must account for."""
+        self.held_ms = None
+        if timed and self._rest_timer is not None:
+            with self._torch.cuda.device(self._probe_tensor.device):
+                self._reply_event.record()
+                self._reply_event.synchronize()
+                self.held_ms = self._cover_end.elapsed_time(self._reply_event)
 
     def _probe(self) -> None:
         """Wait until the GPU has finished everything queued on it, by any process: work in
@@ -487,6 +526,8 @@ class Judge:
 
             self._torch = torch
             self._probe_tensor = torch.zeros(1, device=torch.device("cuda", self.gpu or 0))
+            self._cover_end = torch.cuda.Event(enable_timing=True)
+            self._reply_event = torch.cuda.Event(enable_timing=True)
             mine = DeviceInfo(**{**self.hello["device"], "index": self.gpu or 0})
             with torch.cuda.device(mine.torch_device):  # its sleeps run on the current device
                 self._rest_timer = call_timer(mine, self.timing.flush_l2)

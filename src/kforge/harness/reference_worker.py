@@ -17,7 +17,8 @@ Commands (JSON lines; see judge.py for the order they come in):
     reference run the reference on its own copy (gate 1)
     compare   the candidate's claimed outputs and the mailbox against the reference's
     warm      warm the reference up; its host time sizes the GPU's rest before each call
-    time      one timed call of the reference, or of nothing ("null")
+    prepare   the round's inputs into this worker's own buffers; the device idle
+    time      one timed call of the reference on them, or of nothing ("null")
     state     the fingerprint, compared with the one taken at setup
 """
 
@@ -90,7 +91,7 @@ class ReferenceWorker:
 
         flops = problem.count_flops(probe_inputs)
         nbytes = problem.count_bytes(probe_inputs, probe_out, model)
-        self.timer = call_timer(self.device, flush_l2=False, synced=True)  # the judge flushes (judge.Judge._rest)
+        self.timer = call_timer(self.device, flush_l2=False, judged=True)  # the judge flushes (judge.Judge._rest)
         self.fingerprint = self._fingerprint()
         return dict(
             problem={"name": problem.name, "size": problem.size, "tags": problem.tags},
@@ -163,19 +164,21 @@ class ReferenceWorker:
         self.mine = clone_arguments(self.pristine)
         return {"calls": count, "host_ms": statistics.median(host_ms[1:] or host_ms)}
 
+    def prepare(self) -> dict:
+        """Before each timed call, as the candidate's worker does: the round's inputs copied
+        afresh into this worker's buffers (the A/A call runs on the same draw, and a
+        reference may change its inputs in place), and the device idle."""
+        for mine, pristine in zip(self.mine, self.pristine):
+            if isinstance(mine, torch.Tensor):
+                mine.copy_(pristine)
+        synchronize(self.dev)
+        return {}
+
     def time(self, null: bool = False) -> dict:
         with torch.no_grad():
             if null:
                 clocks, _ = self.timer.time_call(null_call, ())
             else:
-                # The round's inputs copied afresh into this worker's buffers before every timed
-                # call (the A/A call runs on the same draw, and a reference may change its
-                # inputs in place), as the candidate's worker refreshes its own copy from the
-                # arena: the same protocol, host path and kind of memory on both sides.
-                for mine, pristine in zip(self.mine, self.pristine):
-                    if isinstance(mine, torch.Tensor):
-                        mine.copy_(pristine)
-                synchronize(self.dev)
                 clocks, self.out = self.timer.time_call(lambda _: self.model(*self.mine), ())
                 for twin, t in zip(self.twin, [t for t in flatten_outputs(self.out) if isinstance(t, torch.Tensor)]):
                     twin.copy_(t)
@@ -257,7 +260,7 @@ def main() -> int:
             mend_interpreter()
     end.reply(hello={"device": worker.device.to_dict(), "versions": library_versions()})
     serve(end, {name: getattr(worker, name) for name in
-                ("setup", "draw", "reference", "compare", "warm", "time", "state")}, error_reply)
+                ("setup", "draw", "reference", "compare", "warm", "prepare", "time", "state")}, error_reply)
     return 0
 
 
