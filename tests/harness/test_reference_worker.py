@@ -50,3 +50,12 @@ def test_zeroed_weights_a_mode_a_hook_or_a_flag_change_the_fingerprint(tmp_path)
         assert ref.state()["changed"] == ["default_dtype"]
     finally:
         torch.set_default_dtype(default)
+
+
+def test_running_out_of_memory_is_reported_as_such_not_as_a_bug():
+    from kforge.harness.reference_worker import error_reply
+
+    reply = error_reply(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB"))["error"]
+    assert reply["kind"] == "oom"
+    assert "ran out of memory" in reply["reason"] and "12.00 GiB" in reply["reason"]
+    assert error_reply(ValueError("boom"))["error"]["kind"] == "crash"

@@ -35,7 +35,7 @@ EXIT_STATUS = {
     "faster_than_hardware": 1,  # gate 2 failed: under the physical floor, the timer was fooled
     "rejected": 1,  # a defence caught the candidate gaming the harness (see `defences`)
     "candidate_error": 2,  # the candidate could not be imported, built or run
-    "oom": 2,  # the candidate ran out of memory
+    "oom": 2,  # the candidate, or the reference's worker holding the problem's data, ran out of memory
     "cuda_error": 2,  # the device reported an error while the candidate ran
     "crash": 2,  # the worker died under the candidate (a signal, os._exit)
     "timeout": 2,  # a stage ran past its time limit and the worker was killed

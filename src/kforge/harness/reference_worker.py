@@ -233,6 +233,13 @@ def _first_dtype(out) -> torch.dtype:
 def error_reply(exc: Exception) -> dict:
     if isinstance(exc, KforgeError):
         return {"error": {"kind": "problem_error", "reason": exc.reason, "details": exc.details or None}}
+    from kforge.errors import describe_exception, error_kind
+
+    if error_kind(exc) == "oom":  # not a bug: the judge holds several copies of the inputs and outputs
+        summary, details = describe_exception(exc)
+        return {"error": {"kind": "oom", "reason": "the reference worker ran out of memory holding the problem's "
+                                                   f"inputs and outputs (docs/harness.md): {summary}",
+                          "details": details}}
     import traceback
 
     return {"error": {"kind": "crash", "reason": f"the reference worker failed inside kforge (a bug): "
