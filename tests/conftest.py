@@ -111,3 +111,40 @@ def nan_outputs(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: poison(empty(*args, **kwargs)))
     monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: poison(empty_like(*args, **kwargs)))
+
+
+# --- the tiny Llama checkpoint of tests/models: Hugging Face's own model, saved by
+# `save_pretrained` into a temporary directory (no download) ---------------------------------
+
+def hf_config():
+    transformers = pytest.importorskip("transformers")
+    from kforge.models.llama import preset
+
+    c = preset("tiny")
+    s = c.rope_scaling
+    return transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim, num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, max_position_embeddings=c.max_position,
+        rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, bos_token_id=1, eos_token_id=2,
+        rope_scaling={"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                      "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position})
+
+
+def save_tiny_checkpoint(folder):
+    """A random tiny LlamaForCausalLM saved in `folder`; returns the Hugging Face model."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_config()).eval()
+    with torch.no_grad():  # norms away from 1, so a norm loaded into the wrong place shows
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(folder)
+    return hf
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """(folder, the Hugging Face model) of the tiny Llama checkpoint."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    return folder, save_tiny_checkpoint(folder)

@@ -723,6 +723,81 @@ def _slots(gpus: str | None) -> tuple[list[int | None], str]:
     return slots, names.pop()
 
 
+class Weights(str, Enum):
+    bf16 = "bf16"
+    w4a16 = "w4a16"
+    fp8 = "fp8"
+
+
+@app.command("generate")
+def generate_command(
+    model: str = typer.Option(..., "--model", help="A preset (llama3-8b, llama3-70b, llama3-1b, tiny: random "
+                              "weights, no download) or a Hugging Face Llama checkpoint directory."),
+    prompt: str = typer.Option(None, help="Text to continue (needs the checkpoint's tokenizer.json).",
+                               show_default=False),
+    prompt_ids: str = typer.Option(None, "--prompt-ids", help="Or token ids, e.g. 1,17,99.", show_default=False),
+    max_tokens: int = typer.Option(64, min=1, help="New tokens at most."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0: greedy."),
+    top_k: int = typer.Option(0, min=0, help="Keep the k most likely tokens (0: off)."),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Keep the nucleus of this probability (1: off)."),
+    seed: int = typer.Option(None, help="Sampling seed (default: random).", show_default=False),
+    weights: Weights = typer.Option(Weights.bf16, help="Weight format (bf16 only so far)."),
+    max_context: int = typer.Option(2048, min=16, help="KV cache length per request, in tokens."),
+    json_output: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Generate tokens with a Llama-3 model on kforge's kernels (on a CPU: their PyTorch references)."""
+    import time
+
+    import torch
+
+    from kforge.errors import ModelError
+    from kforge.models.engine import Engine
+    from kforge.models.llama import PRESETS, from_pretrained, random_model
+    from kforge.models.sampling import SamplingParams
+
+    if weights is not Weights.bf16:
+        raise ModelError(f"--weights {weights.value} is not built yet: bf16 only (docs/models.md)")
+    if (prompt is None) == (prompt_ids is None):
+        raise KforgeError("give exactly one of --prompt and --prompt-ids")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # a CPU has no fast bf16 matmul
+    with working(f"loading {model}", json_output):
+        if model in PRESETS:
+            llm, tokenizer = random_model(model, dtype=dtype, device=device), None
+        elif not Path(model).exists():
+            raise ModelError(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+        else:
+            llm, tokenizer = from_pretrained(Path(model), dtype=dtype, device=device)
+    if prompt_ids is not None:
+        try:
+            tokens = [int(t) for t in prompt_ids.split(",")]
+        except ValueError:
+            raise KforgeError(f"--prompt-ids takes integers separated by commas, got {prompt_ids!r}") from None
+    engine = Engine(llm, tokenizer=tokenizer, max_slots=1, max_context=min(max_context, llm.config.max_position))
+    try:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    except ValueError as exc:
+        raise KforgeError(str(exc)) from None
+    request = engine.submit(prompt if prompt_ids is None else tokens, params)
+    started = time.perf_counter()
+    for _ in engine.run():
+        pass
+    elapsed = time.perf_counter() - started
+    text = engine.decode(request.output)
+    ttft = request.token_times[0] - request.arrival
+    decode_s = request.token_times[-1] - request.token_times[0]
+    result = {"model": model, "device": device, "prompt_tokens": len(request.prompt), "output_ids": request.output,
+              "text": text, "finish_reason": request.finish_reason, "ttft_s": ttft, "seconds": elapsed,
+              "decode_tokens_per_s": (len(request.output) - 1) / decode_s if decode_s > 0 else None}
+    if json_output:
+        print_json(result)
+        return
+    print(text if text is not None else " ".join(map(str, request.output)))
+    rate = f"{result['decode_tokens_per_s']:.1f} tok/s decode" if result["decode_tokens_per_s"] else "one token"
+    err.print(f"{len(request.prompt)} prompt + {len(request.output)} new tokens ({request.finish_reason}) on "
+              f"{device}: first token {ttft * 1e3:.0f} ms, {rate}", style="dim")
+
+
 @app.command("roofline")
 def roofline_command(
     remeasure: bool = typer.Option(False, help="Measure again even if this device's ceilings are cached."),

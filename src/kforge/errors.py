@@ -32,6 +32,10 @@ class CandidateError(KforgeError):
     """The candidate file is malformed, fails to build, or raises while running."""
 
 
+class ModelError(KforgeError):
+    """A model checkpoint or configuration cannot be used, or a request does not fit it."""
+
+
 def describe_exception(exc: BaseException, user_file: str | Path | None = None) -> tuple[str, str]:
     """Return (one-line summary, full traceback) for an exception raised by user code.
 

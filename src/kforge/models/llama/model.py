@@ -1,0 +1,236 @@
+"""The Llama-3 forward pass on kforge's operators, over a paged KV cache.
+
+One `forward` serves prefill and decode alike (gpt-fast's shape, vLLM's batching): the
+tokens of several sequences are packed into one (T,) batch, the decodes first (one token
+each), then prompt chunks. Per layer, on `kforge.ops`:
+
+    qkv    = rms_norm_qkv(h, attn_norm, wqkv)         the norm fused into the QKV projection
+    q, k   = rope(q, k, positions)                     Llama-3 scaled frequencies (config.py)
+    cache <- k, v                                      paged_kv_append, at each sequence's positions
+    a      = paged_decode_attention(q_decode, cache)   decodes: one query over the pages
+           | flash_attention_varlen(q, k, v, causal)   prompt chunks that start a sequence, packed
+           | attention over the cached prefix          chunks that continue one (chunked prefill)
+    x, h   = rms_norm(a @ wo, ffn_norm, residual=h)     the residual add fused into the norm
+    h      = h + swiglu(x @ w_gate_up) @ w_down        gate and up in one GEMM
+
+Linear layers of up to 16 rows run kforge's decode GEMV, larger ones kforge's GEMM; on a
+CPU every op runs its PyTorch reference, so the CPU tests run this very code. Logits are
+computed only for the rows that yield a token (a decode, or the last row of a prompt), in
+fp32.
+
+A continued chunk attends to its sequence's earlier tokens through the cache: those are
+gathered from the pages and attended with SDPA under a bottom-right causal mask. It is
+correct everywhere and slower than the packed kernel (kforge's varlen kernel is causal
+from the top-left only); prompts that fit one step never take it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kforge import ops
+from kforge.errors import ModelError
+from kforge.kernels.serving.gemv import MAX_BATCH as GEMV_MAX_ROWS
+from kforge.kernels.serving.rope import KERNEL_DTYPES as ROPE_KERNEL_DTYPES
+from kforge.kernels.serving.rope import apply_rope_, rope_reference_
+from kforge.models.llama.config import LlamaConfig, rope_table
+from kforge.ops.varlen_attention import cumulative_seqlens
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T: the decode GEMV for a few rows, the GEMM otherwise."""
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return ops.gemv(x, weight)
+    return ops.matmul(x, weight.t())
+
+
+class KVCache:
+    """Every layer's K and V pages. A sequence's slot is its block-table row, and the pages
+    it is assigned (by the scheduler) hold its tokens in order: position p in
+    pages[p // page_size] at offset p % page_size (`kforge.ops.paged_attention` explains the
+    layout). Lengths and page lists live on the host."""
+
+    def __init__(self, config: LlamaConfig, *, num_pages: int, page_size: int, max_slots: int, max_context: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (config.n_layers, num_pages, config.n_kv_heads, page_size, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_pages, self.page_size = num_pages, page_size
+        self.block_tables = torch.full((max_slots, -(-max_context // page_size)), -1, dtype=torch.int32,
+                                       device=device)
+        self.lengths = [0] * max_slots
+        self._pages: list[list[int]] = [[] for _ in range(max_slots)]
+
+    def assign(self, slot: int, pages: list[int]) -> None:
+        """Give `slot` these pages (a new sequence: its length starts at 0)."""
+        if len(pages) > self.block_tables.shape[1] or any(not 0 <= p < self.num_pages for p in pages):
+            raise ModelError(f"slot {slot}: {len(pages)} pages do not fit a block-table row of "
+                             f"{self.block_tables.shape[1]} or a pool of {self.num_pages}")
+        self._pages[slot] = list(pages)
+        self.lengths[slot] = 0
+        self.block_tables[slot] = -1
+        self.block_tables[slot, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+
+    def gather(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` cached K and V of `slot` in `layer`, (length, kv_heads, head_dim)."""
+        pages = torch.tensor(self._pages[slot][:-(-length // self.page_size)], device=self.k.device)
+
+        def tokens(pool: torch.Tensor) -> torch.Tensor:  # (pages, kv, page, d) -> (tokens, kv, d)
+            return pool[layer].index_select(0, pages).transpose(1, 2).flatten(0, 1)[:length]
+
+        return tokens(self.k), tokens(self.v)
+
+
+@dataclass
+class Batch:
+    """One forward pass: `tokens` and `positions` (T,), the decodes' slots (their tokens come
+    first, one each), then the prompt chunks as (slot, start, length), and which rows' logits
+    are wanted (`logit_rows`, indices into T)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    decode_slots: list[int]
+    chunks: list[tuple[int, int, int]]
+    logit_rows: torch.Tensor
+
+    @classmethod
+    def build(cls, decodes: list[tuple[int, int, int]], chunks: list[tuple[int, int, list[int], bool]],
+              device: torch.device | str) -> Batch:
+        """decodes: (slot, position, token); chunks: (slot, start, tokens, wants_logits)."""
+        tokens = [t for _, _, t in decodes]
+        positions = [p for _, p, _ in decodes]
+        rows = list(range(len(decodes)))
+        for _, start, chunk, wants in chunks:
+            tokens += chunk
+            positions += range(start, start + len(chunk))
+            if wants:
+                rows.append(len(tokens) - 1)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        return cls(as_tensor(tokens), as_tensor(positions), [s for s, _, _ in decodes],
+                   [(s, start, len(chunk)) for s, start, chunk, _ in chunks], as_tensor(rows))
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        c = config
+        self.attn_norm = nn.Parameter(torch.ones(c.dim))
+        self.wqkv = nn.Parameter(torch.empty(c.q_dim + 2 * c.kv_dim, c.dim))  # [q; k; v] rows
+        self.wo = nn.Parameter(torch.empty(c.dim, c.q_dim))
+        self.ffn_norm = nn.Parameter(torch.ones(c.dim))
+        self.w_gate_up = nn.Parameter(torch.empty(2 * c.ffn_dim, c.dim))  # [gate; up] rows, as ops.swiglu reads
+        self.w_down = nn.Parameter(torch.empty(c.dim, c.ffn_dim))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.dim))
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = nn.Parameter(torch.ones(config.dim))
+        self.lm_head = None if config.tie_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.dim))
+        self._rope: torch.Tensor | None = None
+
+    def init_random(self, seed: int = 0, std: float = 0.02) -> Llama:
+        """Random weights (normal, std 0.02; norms 1), the same for a seed on any device."""
+        generator = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            values = torch.ones(p.shape) if "norm" in name else torch.randn(p.shape, generator=generator) * std
+            with torch.no_grad():
+                p.copy_(values)
+        return self
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed if self.lm_head is None else self.lm_head
+
+    def rope(self, positions: int) -> torch.Tensor:
+        """The [cos | sin] table for `positions` positions on the model's device, built once."""
+        if self._rope is None or self._rope.shape[0] < positions or self._rope.device != self.embed.device:
+            self._rope = rope_table(self.config, positions, self.embed.device)
+        return self._rope
+
+    @torch.no_grad()
+    def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
+        """Logits (len(batch.logit_rows), vocab) in fp32; appends every token's K and V to the
+        cache and advances its lengths."""
+        c = self.config
+        tables = cache.block_tables
+        decodes = batch.decode_slots
+        n_dec = len(decodes)
+        dec_rows = torch.tensor(decodes, dtype=torch.long, device=tables.device)
+        dec_tables = tables.index_select(0, dec_rows) if n_dec else None
+        before = torch.tensor([cache.lengths[s] for s in decodes], dtype=torch.int32, device=tables.device)
+        fresh = [(i, chunk) for i, chunk in enumerate(batch.chunks) if chunk[1] == 0]
+        starts = _offsets(n_dec, batch.chunks)
+        table = self.rope(int(batch.positions.max()) + 1)
+
+        h = F.embedding(batch.tokens, self.embed)
+        for layer, block in enumerate(self.layers):
+            qkv = ops.rms_norm_qkv(h, block.attn_norm, block.wqkv, c.norm_eps)
+            q = qkv[:, :c.q_dim].view(-1, c.n_heads, c.head_dim)
+            k = qkv[:, c.q_dim:c.q_dim + c.kv_dim].view(-1, c.n_kv_heads, c.head_dim)
+            v = qkv[:, c.q_dim + c.kv_dim:].view(-1, c.n_kv_heads, c.head_dim)
+            _rope(q, k, batch.positions, table)
+            k_pool, v_pool = cache.k[layer], cache.v[layer]
+            out = torch.empty_like(q)
+            if n_dec:
+                ops.paged_kv_append(k[:n_dec].contiguous(), v[:n_dec].contiguous(), k_pool, v_pool, dec_tables,
+                                    before, validate=False)
+                out[:n_dec] = ops.paged_decode_attention(q[:n_dec].contiguous(), k_pool, v_pool, dec_tables,
+                                                         before + 1, validate=False)
+            for (slot, start, length), row in zip(batch.chunks, starts):
+                rows = slice(row, row + length)
+                ops.paged_kv_append(k[rows].unsqueeze(0).contiguous(), v[rows].unsqueeze(0).contiguous(), k_pool,
+                                    v_pool, tables[slot:slot + 1],
+                                    torch.tensor([start], dtype=torch.int32, device=tables.device), validate=False)
+                if start:
+                    out[rows] = _continued_chunk(q[rows], *cache.gather(layer, slot, start + length), start)
+            if fresh:
+                rows = torch.cat([torch.arange(starts[i], starts[i] + chunk[2]) for i, chunk in fresh]).to(q.device)
+                lengths = [chunk[2] for _, chunk in fresh]
+                cu = cumulative_seqlens(lengths, q.device)
+                out[rows] = ops.flash_attention_varlen(q[rows], k[rows], v[rows], cu, cu, max(lengths), max(lengths),
+                                                       causal=True, check_lengths=False)
+            x, h = ops.rms_norm(linear(out.view(-1, c.q_dim), block.wo), block.ffn_norm, c.norm_eps, residual=h)
+            h = h + linear(ops.swiglu(linear(x, block.w_gate_up)), block.w_down)
+
+        for slot in decodes:
+            cache.lengths[slot] += 1
+        for slot, start, length in batch.chunks:
+            cache.lengths[slot] = start + length
+        last = ops.rms_norm(h.index_select(0, batch.logit_rows), self.norm, c.norm_eps)
+        return linear(last, self.head_weight()).float()
+
+
+def _offsets(first: int, chunks: list[tuple[int, int, int]]) -> list[int]:
+    """Each chunk's first row in the packed batch (the decodes' rows come first)."""
+    rows, row = [], first
+    for _, _, length in chunks:
+        rows.append(row)
+        row += length
+    return rows
+
+
+def _rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> None:
+    """Rotate q and k in place: kforge's kernel on a GPU, its PyTorch reference elsewhere."""
+    if q.is_cuda and q.dtype in ROPE_KERNEL_DTYPES:
+        apply_rope_(q, k, positions, table)
+    else:
+        rope_reference_(q, k, positions, table)
+
+
+def _continued_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Attention of a chunk's queries (n, heads, d) at positions start.. over its sequence's
+    keys 0..start+n-1 (gathered from the cache): query i sees keys up to start + i."""
+    n, heads = q.shape[0], q.shape[1]
+    groups = heads // k.shape[1]
+    keys = torch.arange(k.shape[0], device=q.device)
+    mask = keys[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(groups, 1).transpose(0, 1),
+                                         v.repeat_interleave(groups, 1).transpose(0, 1), attn_mask=mask)
+    return out.transpose(0, 1)
