@@ -151,6 +151,16 @@ def test_2d_forged_timings_are_caught_by_the_judges_clock(judge, candidate):
 
 
 @pytest.mark.slow
+def test_2d_work_done_in_prepare_is_on_the_judges_clock(judge):
+    # prepare hands the worker the round's inputs before any call is timed: 30 ms of work
+    # there, then an instant timed call, must read as the 30 ms it cost
+    record = judge("judge_work_in_prepare")
+    assert record.status == "rejected", record.reason
+    assert record.defences == ["timing_claims"], record.defences
+    assert record.gate2["claims"]["excess_ms"] > 20, record.gate2["claims"]
+
+
+@pytest.mark.slow
 def test_2d_a_claim_of_zero_time_is_rejected_not_divided_by(judge):
     record = judge("judge_zero_claims")
     if on_gpu(record):

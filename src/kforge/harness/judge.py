@@ -84,17 +84,18 @@ class StageLimits:
 class ClaimsCheck:
     """How far the candidate's claimed call times may sit under the judge's own clock.
 
-    For each call, gap = the judge's time for it minus the claimed whole-device time. On a
-    GPU the judge's time is `held_ms`, on its own CUDA events: from the end of its cover to
-    the worker's reply, the worker's whole turn on the GPU. An honest gap is the protocol
-    after the call (the copy into the mailbox, the reply), the same for both workers,
-    which run the same kforge code, and host time does not enter it: launches the cover
-    hid are before its end, and launches it did not hide are inside the claimed window
-    as the device waiting. On a CPU the judge's time is its wall clock from the `prepare`
-    command to the `time` reply. A claim shortened by d ms widens the gap by d. The
-    check fires when the candidate's median gap exceeds the reference's by more than
-    `abs_ms + rel * the candidate's median claimed time`. The workers' host clocks
-    decide nothing.
+    For each call, gap = the judge's time for it minus the claimed whole-device time. The
+    judge's time is the wall clock of the `prepare` command (the worker holds the round's
+    inputs from then on: work done there on the answer would be on no other clock), plus,
+    on a GPU, `held_ms` on the judge's own CUDA events, from the end of its cover to the
+    worker's reply (on a CPU, the `time` command's wall clock). An honest gap is the
+    protocol (the input copy, the copy into the mailbox, the pipes), the same for both
+    workers, which run the same kforge code; launches the cover hid are before its end,
+    and launches it did not hide are inside the claimed window as the device waiting. A
+    claim shortened by d ms, or d ms of the call's work done in `prepare`, widens the gap
+    by d. The check fires when the candidate's median gap exceeds the reference's by
+    more than `abs_ms + rel * the candidate's median claimed time`. The workers' host
+    clocks decide nothing.
     """
 
     abs_ms: float
@@ -305,9 +306,10 @@ class Judge:
                 if name == "candidate" and max(clocks) <= 0:
                     raise Ended("rejected", "the candidate's worker claimed a call that took no time: its timings "
                                             "were forged", defences=("timing_claims",))
-                if name in gaps:  # the judge's clock for the call against the device time it claims
-                    judged_ms = self.held_ms if self.held_ms is not None else prepared_ms + self.wall_ms
-                    gaps[name].append(judged_ms - clocks[1])
+                if name in gaps:  # the judge's clock for the call against the device time it claims:
+                    # `prepare` included, where the round's inputs are in the worker's hands
+                    gaps[name].append(prepared_ms + (self.wall_ms if self.held_ms is None else self.held_ms)
+                                      - clocks[1])
                 raw[name].append(scripted(config, name, rounds, clocks))
             rounds += 1
             stop_reason = stopper.check(raw, rounds)
@@ -357,9 +359,9 @@ class Judge:
                 containment.signal_all([self.reference.process.pid], signal.SIGCONT)
             reply = self.reference.channel.request(message, self.deadline)
             self._reply_seen(timed)
-            if pause:
+            if pause:  # and probed after every command, as the candidate's worker is: the same clock for both
                 containment.signal_all([self.reference.process.pid], signal.SIGSTOP)
-            if timed:
+            if timed or pause:
                 self._probe()
             self.wall_ms = (time.perf_counter() - started) * 1e3
         except ChannelError as exc:
