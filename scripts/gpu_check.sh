@@ -20,6 +20,7 @@
 #            from KB_DIR, default .kb/KernelBench: carry it, it is not in the repository)
 #   identity-sample   (scripts/identity_sample.py on every 4th KernelBench problem of KB_LEVELS, default 1,2,3)
 #   judge-overhead   (scripts/judge_overhead.py against the tree in OLD_SRC; OVERHEAD_REPEATS, default 2)
+#   models   (the Llama engine's GPU tests, 1B shape against transformers; a kforge generate on llama3-1b)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
@@ -168,4 +169,9 @@ fi
 if [[ $parts == *" judge-overhead "* ]]; then
   python3 scripts/judge_overhead.py "${OLD_SRC:?set OLD_SRC to the src folder of the tree to compare with}" "$out" \
     "${OVERHEAD_REPEATS:-2}" 2>&1 | tee "$out/judge-overhead.txt"
+fi
+if [[ $parts == *" models "* ]]; then
+  python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/models 2>&1 | tail -20 | tee "$out/pytest-models-gpu.txt"
+  python3 -m kforge generate --model llama3-1b --prompt-ids 128000,791,6864,315,9822,374 --max-tokens 128 --json \
+    2>&1 | tee "$out/generate-llama3-1b.json"
 fi

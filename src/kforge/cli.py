@@ -729,6 +729,25 @@ class Weights(str, Enum):
     fp8 = "fp8"
 
 
+def _load_llama(model: str, json_output: bool = False, weights: str = "bf16"):
+    """(model, tokenizer or None, "cuda" or "cpu") for --model: a preset's random weights or a checkpoint directory,
+    on the GPU when there is one, its linear weights in `weights`' format."""
+    import torch
+
+    from kforge.errors import ModelError
+    from kforge.models.llama import PRESETS, from_pretrained, random_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # a CPU has no fast bf16 matmul, but the quantized formats' ops take bf16 activations
+    dtype = torch.bfloat16 if device == "cuda" or weights != "bf16" else torch.float32
+    with working(f"loading {model}", json_output):
+        if model in PRESETS:
+            return random_model(model, dtype=dtype, device=device, weights=weights), None, device
+        if not Path(model).exists():
+            raise ModelError(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+        return *from_pretrained(Path(model), dtype=dtype, device=device, weights=weights), device
+
+
 @app.command("generate")
 def generate_command(
     model: str = typer.Option(..., "--model", help="A preset (llama3-8b, llama3-70b, llama3-1b, tiny: random "
@@ -741,33 +760,20 @@ def generate_command(
     top_k: int = typer.Option(0, min=0, help="Keep the k most likely tokens (0: off)."),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Keep the nucleus of this probability (1: off)."),
     seed: int = typer.Option(None, help="Sampling seed (default: random).", show_default=False),
-    weights: Weights = typer.Option(Weights.bf16, help="Weight format (bf16 only so far)."),
+    weights: Weights = typer.Option(Weights.bf16, help="Linear weights as bf16, INT4 group-128 (w4a16) or "
+                                    "block-scaled FP8, quantized at load time."),
     max_context: int = typer.Option(2048, min=16, help="KV cache length per request, in tokens."),
     json_output: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Generate tokens with a Llama-3 model on kforge's kernels (on a CPU: their PyTorch references)."""
     import time
 
-    import torch
-
-    from kforge.errors import ModelError
     from kforge.models.engine import Engine
-    from kforge.models.llama import PRESETS, from_pretrained, random_model
     from kforge.models.sampling import SamplingParams
 
-    if weights is not Weights.bf16:
-        raise ModelError(f"--weights {weights.value} is not built yet: bf16 only (docs/models.md)")
     if (prompt is None) == (prompt_ids is None):
         raise KforgeError("give exactly one of --prompt and --prompt-ids")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # a CPU has no fast bf16 matmul
-    with working(f"loading {model}", json_output):
-        if model in PRESETS:
-            llm, tokenizer = random_model(model, dtype=dtype, device=device), None
-        elif not Path(model).exists():
-            raise ModelError(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
-        else:
-            llm, tokenizer = from_pretrained(Path(model), dtype=dtype, device=device)
+    llm, tokenizer, device = _load_llama(model, json_output, weights.value)
     if prompt_ids is not None:
         try:
             tokens = [int(t) for t in prompt_ids.split(",")]
@@ -796,6 +802,41 @@ def generate_command(
     rate = f"{result['decode_tokens_per_s']:.1f} tok/s decode" if result["decode_tokens_per_s"] else "one token"
     err.print(f"{len(request.prompt)} prompt + {len(request.output)} new tokens ({request.finish_reason}) on "
               f"{device}: first token {ttft * 1e3:.0f} ms, {rate}", style="dim")
+
+
+@app.command("serve")
+def serve_command(
+    model: str = typer.Option(..., "--model", help="A preset (random weights, no download) or a Hugging Face Llama "
+                              "checkpoint directory; the model id clients name."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, min=0, max=65535, help="Port to listen on (0: any free one)."),
+    max_slots: int = typer.Option(8, min=1, help="Requests generating at once; more wait their turn."),
+    max_context: int = typer.Option(2048, min=16, help="KV cache length per request (prompt + new tokens)."),
+) -> None:
+    """Serve the model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, streaming) until Ctrl-C."""
+    import time
+
+    from kforge.models.engine import Engine
+    from kforge.models.server import Server
+
+    llm, tokenizer, device = _load_llama(model)
+    engine = Engine(llm, tokenizer=tokenizer, max_slots=max_slots,
+                    max_context=min(max_context, llm.config.max_position))
+    server = Server(engine, model_id=model, host=host, port=port)
+    try:
+        server.start()
+    except OSError as exc:
+        raise KforgeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    print(f"serving {model} on {device} at {server.url} (Ctrl-C stops)", flush=True)
+    if tokenizer is None:
+        err.print("note: no tokenizer: prompts must be token ids, and chat is refused", style="dim")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
 
 
 @app.command("roofline")

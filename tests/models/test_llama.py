@@ -9,6 +9,7 @@ import torch
 from kforge.errors import ModelError
 from kforge.models.llama import Batch, KVCache, from_pretrained, preset, random_model
 from kforge.models.llama.config import from_hf, rope_frequencies
+from kforge.models.llama.export import save_pretrained, to_hf_state_dict
 from conftest import hf_config
 
 transformers = pytest.importorskip("transformers")
@@ -95,25 +96,28 @@ def test_tied_embeddings_and_sharded_checkpoints_load(tmp_path):
     config.update(tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
     (tmp_path / "config.json").write_text(json.dumps(config))
     source = random_model(from_hf(config), seed=3, dtype=torch.float32)
-    c = source.config
-    tensors = {"model.embed_tokens.weight": source.embed, "model.norm.weight": source.norm}
-    for i, block in enumerate(source.layers):
-        q, k, v = block.wqkv.split([c.q_dim, c.kv_dim, c.kv_dim])
-        gate, up = block.w_gate_up.split(c.ffn_dim)
-        for name, t in {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v, "self_attn.o_proj": block.wo,
-                        "mlp.gate_proj": gate, "mlp.up_proj": up, "mlp.down_proj": block.w_down,
-                        "input_layernorm": block.attn_norm, "post_attention_layernorm": block.ffn_norm}.items():
-            tensors[f"model.layers.{i}.{name}.weight"] = t
+    tensors = to_hf_state_dict(source)
     names = sorted(tensors)
     halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2:]}
     for file, part in halves.items():
-        save_file({n: tensors[n].detach().contiguous() for n in part}, str(tmp_path / file))
+        save_file({n: tensors[n].contiguous() for n in part}, str(tmp_path / file))
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {n: f for f, part in halves.items() for n in part}}))
     loaded, _ = from_pretrained(tmp_path, dtype=torch.float32)
     assert loaded.lm_head is None
     for (name, a), (_, b) in zip(source.named_parameters(), loaded.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_a_saved_preset_loads_back_in_transformers_with_the_same_logits(tmp_path):
+    source = random_model("tiny", seed=5, dtype=torch.float32)
+    save_pretrained(source, tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    ours, _ = from_pretrained(tmp_path, dtype=torch.float32)
+    prompt = [1, 60, 61, 62, 63, 64]
+    cache = new_cache(ours)
+    got = prefill(ours, cache, [prompt], [0])
+    assert torch.allclose(got, hf(torch.tensor([prompt])).logits[0], rtol=1e-4, atol=1e-4)
 
 
 def test_a_tokenizer_json_is_read(checkpoint, tmp_path):

@@ -2,6 +2,7 @@
 
     model, tokenizer = from_pretrained("path/to/Llama-3.2-1B")     # config.json, *.safetensors, tokenizer.json
     model = random_model("llama3-8b", seed=0)                       # any preset, no download, ever
+    model = random_model("llama3-8b", weights="w4a16")              # or "fp8": quantized as it loads (quantize.py)
 
 A checkpoint directory holds `config.json` (a LlamaForCausalLM's), the weights as one
 `model.safetensors` or shards listed in `model.safetensors.index.json`, and optionally
@@ -21,23 +22,29 @@ import torch
 from kforge.errors import ModelError
 from kforge.models.llama.config import LlamaConfig, from_hf, preset
 from kforge.models.llama.model import Llama
+from kforge.models.llama.quantize import check_format, quantize_model
 
 
 def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu") -> Llama:
+                 device: torch.device | str = "cpu", weights: str = "bf16") -> Llama:
+    """`weights`: "bf16" (as `dtype`), "w4a16" or "fp8" (quantize.py; those need dtype bf16)."""
+    check_format(weights, dtype)
     config = preset(config) if isinstance(config, str) else config
     model = Llama(config).init_random(seed)
-    return model.to(device=device, dtype=dtype).eval()
+    return quantize_model(model.to(device=device, dtype=dtype).eval(), weights)
 
 
-def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.bfloat16,
-                    device: torch.device | str = "cpu") -> tuple[Llama, object | None]:
-    """The model and its tokenizer (None when the directory has no tokenizer.json)."""
+def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                    weights: str = "bf16") -> tuple[Llama, object | None]:
+    """The model, its weights in `weights`' format (as random_model), and its tokenizer (None
+    when the directory has no tokenizer.json). Quantization follows the load, on the device."""
+    check_format(weights, dtype)
     directory = Path(directory)
     config = read_config(directory)
     model = Llama(config)
     model.to(device=device, dtype=dtype)
     _load_weights(model, directory)
+    quantize_model(model, weights)
     tokenizer_file = directory / "tokenizer.json"
     return model.eval(), (load_tokenizer(tokenizer_file) if tokenizer_file.exists() else None)
 

@@ -13,10 +13,11 @@ each), then prompt chunks. Per layer, on `kforge.ops`:
     x, h   = rms_norm(a @ wo, ffn_norm, residual=h)     the residual add fused into the norm
     h      = h + swiglu(x @ w_gate_up) @ w_down        gate and up in one GEMM
 
-Linear layers of up to 16 rows run kforge's decode GEMV, larger ones kforge's GEMM; on a
-CPU every op runs its PyTorch reference, so the CPU tests run this very code. Logits are
-computed only for the rows that yield a token (a decode, or the last row of a prompt), in
-fp32.
+Linear layers of up to 16 rows run kforge's decode GEMV, larger ones kforge's GEMM; weights
+quantized at load time (quantize.py) take `w4a16_matmul` or `fp8_gemm` instead (and a
+quantized wqkv an unfused rms_norm first). On a CPU every op runs its PyTorch reference, so
+the CPU tests run this very code. Logits are computed only for the rows that yield a token
+(a decode, or the last row of a prompt), in fp32.
 
 A continued chunk attends to its sequence's earlier tokens through the cache: those are
 gathered from the pages and attended with SDPA under a bottom-right causal mask. It is
@@ -38,11 +39,24 @@ from kforge.kernels.serving.gemv import MAX_BATCH as GEMV_MAX_ROWS
 from kforge.kernels.serving.rope import KERNEL_DTYPES as ROPE_KERNEL_DTYPES
 from kforge.kernels.serving.rope import apply_rope_, rope_reference_
 from kforge.models.llama.config import LlamaConfig, rope_table
+from kforge.models.llama.quantize import FP8_BLOCK, Fp8Weight, Int4Weight
 from kforge.ops.varlen_attention import cumulative_seqlens
+from kforge.ops.w4a16 import MAX_BATCH as W4A16_MAX_ROWS
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T: the decode GEMV for a few rows, the GEMM otherwise."""
+def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight) -> torch.Tensor:
+    """x @ weight.T in the weight's format: for a plain weight the decode GEMV for a few rows,
+    the GEMM otherwise; an INT4 weight through W4A16; an FP8 weight through the block-scaled
+    FP8 GEMM, x quantized per 1 x 128 tile on the way in."""
+    if isinstance(weight, Int4Weight):
+        if x.shape[0] <= W4A16_MAX_ROWS:
+            return ops.w4a16_matmul(x, weight.qweight, weight.scales, weight.group)
+        # Prefill is compute-bound: reading 4 bits instead of 16 saves nothing there, so the weight is
+        # dequantized (a transient, freed after the GEMM) and multiplied on the bf16 tensor-core GEMM.
+        return ops.matmul(x, ops.dequantize_int4(weight.qweight, weight.scales, weight.group).t())
+    if isinstance(weight, Fp8Weight):
+        a, a_scale = ops.quantize_fp8(x, "block", block=(1, FP8_BLOCK))
+        return ops.fp8_gemm(a, weight.q, a_scale, weight.scale, scaling="block")
     if x.shape[0] <= GEMV_MAX_ROWS:
         return ops.gemv(x, weight)
     return ops.matmul(x, weight.t())
@@ -171,7 +185,10 @@ class Llama(nn.Module):
 
         h = F.embedding(batch.tokens, self.embed)
         for layer, block in enumerate(self.layers):
-            qkv = ops.rms_norm_qkv(h, block.attn_norm, block.wqkv, c.norm_eps)
+            if isinstance(block.wqkv, torch.Tensor):
+                qkv = ops.rms_norm_qkv(h, block.attn_norm, block.wqkv, c.norm_eps)
+            else:  # the fused op takes a plain weight
+                qkv = linear(ops.rms_norm(h, block.attn_norm, c.norm_eps), block.wqkv)
             q = qkv[:, :c.q_dim].view(-1, c.n_heads, c.head_dim)
             k = qkv[:, c.q_dim:c.q_dim + c.kv_dim].view(-1, c.n_kv_heads, c.head_dim)
             v = qkv[:, c.q_dim + c.kv_dim:].view(-1, c.n_kv_heads, c.head_dim)
