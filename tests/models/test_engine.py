@@ -1,5 +1,7 @@
 """The engine on the tiny checkpoint (CPU, fp32): the same tokens as transformers, and the same
-tokens for a request whatever batch it shares, however its prompt is chunked."""
+tokens for a request whatever batch it shares, however its prompt is chunked or another request aborted."""
+
+from __future__ import annotations
 
 import pytest
 import torch
@@ -51,6 +53,25 @@ def test_a_request_gets_the_same_tokens_in_any_batch(model, params):
     assert steps > 10
     for request in requests:
         assert request.output == alone(model, request.prompt, params), request.id
+
+
+def test_aborting_one_of_two_running_requests_leaves_the_others_tokens_as_alone(model):
+    params = SamplingParams(max_tokens=10)
+    engine = Engine(model, page_size=8, max_slots=2, max_context=64, max_step_tokens=6)
+    doomed, other, waiting = (engine.submit(p, params) for p in (PROMPTS[3], PROMPTS[0], PROMPTS[2]))
+    for _ in range(4):  # 10 + 4 prompt tokens in chunks of 6 at most: both decode by the 4th step
+        engine.step()
+    assert doomed.output and other.output and engine.scheduler.waiting == (waiting,)
+    cut = list(doomed.output)
+
+    assert engine.abort(doomed.id) is doomed and doomed.id not in engine._generators
+    assert (doomed.finish_reason, doomed.slot) == ("abort", None) and engine.abort(doomed.id) is None
+    for _ in engine.run():  # waiting takes doomed's slot and pages
+        pass
+    assert doomed.output == cut and doomed.output == alone(model, doomed.prompt, params)[:len(cut)]
+    assert other.output == alone(model, other.prompt, params)
+    assert waiting.output == alone(model, waiting.prompt, params)
+    assert engine.scheduler.free_pages == 2 * 8 and engine.abort("never") is None
 
 
 def test_the_kv_budget_bounds_the_batch_and_nothing_runs_out(model):

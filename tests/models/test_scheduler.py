@@ -1,4 +1,5 @@
-"""The continuous-batching scheduler: admission, chunked prefill, finishing, validation, metrics (scripted clock)."""
+"""The continuous-batching scheduler: admission, chunked prefill, finishing, aborting, validation, metrics (scripted
+clock)."""
 
 from __future__ import annotations
 
@@ -273,6 +274,101 @@ def test_end_to_end_requests_join_and_leave_mid_batch_and_each_generates_what_it
     assert sched.free_pages == sizes["num_pages"]
 
 
+def test_abort_takes_a_waiting_request_off_the_queue_even_while_a_step_is_in_flight():
+    clock = ScriptedClock(3.0)
+    sched = make(clock, max_slots=1)
+    running, waiting = req("running", 2, 2), req("waiting", 2, 2)
+    sched.submit(running)
+    sched.submit(waiting)
+    step = sched.schedule()
+    assert sched.abort("waiting") is waiting and sched.waiting == ()
+    assert (waiting.finish_reason, waiting.finish_time, waiting.slot, waiting.output) == ("abort", 3.0, None, [])
+    assert sched.complete(step, step_tokens(step)) == [] and drain(sched) == [running]
+
+
+def test_abort_between_steps_frees_the_slot_and_pages_at_once_and_the_next_request_takes_them():
+    sizes = dict(num_pages=5, page_size=4, max_slots=2, max_step_tokens=8, max_context=16)
+    sched, engine = make(**sizes), FakeEngine(page_size=4)
+    doomed, other, later = (Request(rid, [3, 1, 4, 1, 5][:n], 6, frozenset()) for rid, n in
+                            (("doomed", 5), ("other", 2), ("later", 3)))
+    for r in (doomed, other, later):
+        sched.submit(r)
+    for _ in range(2):  # both running, with 3 + 2 of the 5 pages: later waits for a slot and pages
+        step = sched.schedule()
+        sched.complete(step, engine.run(step))
+    assert (doomed.slot, doomed.pages, other.slot, sched.waiting) == (0, [0, 1, 2], 1, (later,))
+
+    assert sched.abort("doomed") is doomed
+    assert (doomed.finish_reason, doomed.slot, doomed.pages, len(doomed.output)) == ("abort", None, [], 2)
+    assert sched.running == (other,) and sched.free_pages == 3
+
+    step = sched.schedule()  # later gets doomed's slot and pages, as a new occupant of the row
+    assert (later.slot, later.pages) == (0, [0, 1, 2])
+    assert [(w.request.id, w.start) for w in step.work] == [("other", 3), ("later", 0)]
+    finished = sched.complete(step, engine.run(step))
+    while (step := sched.schedule()) is not None:
+        finished += sched.complete(step, engine.run(step))
+    assert finished == [other, later] and doomed.output == generate_alone(doomed)[:2]
+    assert (other.output, later.output) == (generate_alone(other), generate_alone(later))
+    assert sched.free_pages == 5
+
+
+def test_abort_of_a_request_in_the_step_in_flight_takes_effect_at_complete_and_drops_its_token():
+    clock = ScriptedClock(0.0)
+    sched = make(clock, max_step_tokens=4, max_slots=3)
+    decoding, chunked, idle = req("decoding", 2, 5, stop={9}), req("chunked", 10, 2), req("idle", 3, 2)
+    for r in (decoding, chunked, idle):
+        sched.submit(r)
+    step = sched.schedule()  # decoding's prompt and 2 of chunked's; idle is admitted but gets no room in this step
+    assert [w.request.id for w in step.work] == ["decoding", "chunked"] and idle.slot is not None
+    free = sched.free_pages
+
+    assert sched.abort("idle") is idle and idle.finish_reason == "abort"  # not in the step: freed at once
+    assert sched.abort("decoding") is decoding and sched.abort("chunked") is chunked
+    assert not decoding.finished and decoding.pages and sched.free_pages == free + sched.pages_needed(idle)
+    assert sched.abort("decoding") is decoding  # still running until complete(): asking again changes nothing
+    with pytest.raises(ValueError, match=r"missing \['decoding'\]"):
+        sched.complete(step, {})  # the engine ran the pass: the aborted request's token is still owed
+
+    clock.t = 2.0
+    assert sched.complete(step, {"decoding": 9}) == [decoding, chunked]  # 9, a stop token, would have finished it
+    assert [(r.finish_reason, r.finish_time, r.output, r.slot, r.pages) for r in (decoding, chunked)] == [
+        ("abort", 2.0, [], None, [])] * 2
+    assert not sched.has_work and sched.free_pages == 64 and sched.schedule() is None
+
+
+def test_abort_of_an_unknown_or_finished_request_is_none():
+    sched = make()
+    done, gone = req("done", 2, 1), req("gone", 2, 1)
+    sched.submit(done)
+    sched.submit(gone)
+    assert sched.abort("gone") is gone
+    assert drain(sched) == [done]
+    assert [sched.abort(rid) for rid in ("done", "gone", "never")] == [None] * 3
+    assert done.finish_reason == "length"
+
+
+def test_summary_counts_aborted_requests_apart_and_metrics_refuse_them():
+    clock = ScriptedClock(0.0)
+    sched = make(clock)
+    served, cut, unstarted = req("served", 2, 2), req("cut", 2, 8), req("unstarted", 2, 2)
+    for r in (served, cut, unstarted):
+        sched.submit(r)
+    sched.abort("unstarted")
+    for _ in range(2):
+        step = sched.schedule()
+        clock.t += 1.0
+        sched.complete(step, step_tokens(step))
+    clock.t = 10.0
+    sched.abort("cut")
+    assert (served.finish_reason, len(cut.output), unstarted.output) == ("length", 2, [])
+    with pytest.raises(ValueError, match="'cut' was aborted"):
+        RequestMetrics.of(cut)
+    # the aborted requests neither stretch the duration (cut ends at 10) nor add their tokens
+    assert summary([served, cut, unstarted]) == {**summary([served]), "aborted": 2}
+    assert summary([served])["duration"] == 2.0 and summary([cut])["requests"] == 0
+
+
 def test_metrics_on_a_scripted_clock():
     clock = ScriptedClock(0.0)
     sched = make(clock, max_step_tokens=4, max_slots=2)
@@ -289,7 +385,7 @@ def test_metrics_on_a_scripted_clock():
     assert (a.token_times, b.token_times) == ([2.0, 4.0, 8.0], [8.0, 16.0])
     assert RequestMetrics.of(a) == RequestMetrics(ttft=2.0, tpot=3.0, output_tokens=3)
     assert RequestMetrics.of(b) == RequestMetrics(ttft=7.0, tpot=8.0, output_tokens=2)
-    assert summary([a, b]) == {"requests": 2, "output_tokens": 5, "duration": 16.0, "throughput": 5 / 16,
+    assert summary([a, b]) == {"requests": 2, "aborted": 0, "output_tokens": 5, "duration": 16.0, "throughput": 5 / 16,
                                "ttft_p50": 2.0, "ttft_p99": 7.0, "tpot_p50": 3.0, "tpot_p99": 8.0}
 
 

@@ -177,7 +177,7 @@ def test_malformed_json_and_an_unknown_model(server, client):
         client.completions.create(model="gpt-4", prompt="w1")
 
 
-def test_a_client_that_hangs_up_mid_stream_ends_its_request(server, monkeypatch):
+def test_a_client_that_hangs_up_mid_stream_has_its_request_aborted(server, monkeypatch):
     submitted = []
     submit = server.engine.submit
     monkeypatch.setattr(server.engine, "submit", lambda *args: submitted.append(submit(*args)) or submitted[-1])
@@ -193,7 +193,9 @@ def test_a_client_that_hangs_up_mid_stream_ends_its_request(server, monkeypatch)
     deadline = time.monotonic() + 10
     while not (submitted and submitted[0].finished) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert submitted[0].finished and len(submitted[0].output) < 60
+    (request,) = submitted
+    assert request.finish_reason == "abort" and len(request.output) < 60  # not run on to max_tokens
+    assert request.slot is None and request not in server.engine.scheduler.running
 
 
 def test_without_a_tokenizer_text_is_refused_and_the_server_stops_cleanly(checkpoint):

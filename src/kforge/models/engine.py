@@ -8,7 +8,8 @@ request, then prompt chunks within the step's token budget. The engine gives eve
 admitted request its pages in the cache, runs one forward pass over the packed tokens
 (llama/model.py), samples a token for each request whose logits were computed
 (sampling.py), and hands the tokens back to the scheduler, which finishes requests on a
-stop token or at max_tokens and frees their slots and pages.
+stop token or at max_tokens and frees their slots and pages. `abort()` ends a request early,
+between steps (the server's, when its client hangs up).
 
 Sizing: the KV cache gets `kv_pages` pages of `page_size` tokens, shared by `max_slots`
 slots; `plan_pages` derives a count from a byte budget. A prompt the context cannot hold
@@ -81,6 +82,12 @@ class Engine:
             raise ModelError(str(exc)) from None
         self._generators[request.id] = make_generator(params.seed, self.device)
         return request
+
+    def abort(self, request_id: str) -> Request | None:
+        """End a request now (finish_reason "abort"), freeing its slot and pages for others; None if no request with
+        this id is waiting or running. Call it on the thread that runs the steps: the engine is not thread-safe."""
+        self._generators.pop(request_id, None)
+        return self.scheduler.abort(request_id)
 
     # --- running -------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ token for every `Work` with `emits=True` and passes them to `complete()`. The po
   step with a request in prefill always has room for some of its prompt.
 - complete() frees a finished request's slot and pages at once. The lowest free slot and pages are handed out first,
   so slots are reused and the rows in use stay packed.
+- abort() frees a request at once, but one in the step in flight at its complete(): the engine may be using its pages.
 - One step is in flight at a time: scheduling again before complete() would feed the same tokens twice.
 
 What the engine relies on: `request.slot` is its KV-cache row and `request.pages` the physical pages reserved for
@@ -47,7 +48,7 @@ class Request:
     computed: int = 0
     output: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (the stop token is kept in output) or "length"
+    finish_reason: str | None = None  # "stop" (the stop token is kept in output), "length" or "abort"
     finish_time: float | None = None
 
     @property
@@ -112,6 +113,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # in admission order
         self._in_flight: Step | None = None
+        self._aborting: set[Request] = set()  # aborted while in the step in flight: finished at its complete()
 
     def pages_needed(self, request: Request) -> int:
         """Pages reserved for `request`: room for its prompt and all max_tokens outputs."""
@@ -182,6 +184,24 @@ class Scheduler:
         self._in_flight = Step(work)
         return self._in_flight
 
+    def abort(self, request_id: str) -> Request | None:
+        """End a request no longer wanted (its client went away), freeing its slot and pages for others; None if no
+        request with this id is waiting or running. One in the step in flight is finished by that step's complete(),
+        its token dropped: until then the engine may be writing its pages."""
+        for request in self._waiting:
+            if request.id == request_id:
+                self._waiting.remove(request)
+                self._finish(request, "abort", self.clock())
+                return request
+        request = next((r for r in self._running if r.id == request_id), None)
+        if request is None:
+            return None
+        if self._in_flight is not None and any(w.request is request for w in self._in_flight.work):
+            self._aborting.add(request)
+        else:
+            self._finish(request, "abort", self.clock())
+        return request
+
     def _admit(self) -> None:
         while self._waiting and self._free_slots:
             head = self._waiting[0]
@@ -194,7 +214,8 @@ class Scheduler:
             self._running.append(head)
 
     def complete(self, step: Step, next_tokens: Mapping[str, int]) -> list[Request]:
-        """Record `step` as run and its sampled tokens; return the requests it finished, their slot and pages freed."""
+        """Record `step` as run and its sampled tokens; return the requests it finished, their slot and pages freed.
+        A request aborted during the step is among them, and its token, still required here, is dropped."""
         if step is not self._in_flight:
             raise ValueError("complete() got a step that is not the one in flight")
         emitting = {w.request.id for w in step.work if w.emits}
@@ -202,11 +223,15 @@ class Scheduler:
         if missing or extra:  # checked before any state changes, so a bad call leaves the scheduler as it was
             raise ValueError(f"next_tokens must cover exactly the emitting requests: missing {sorted(missing)}, "
                              f"given for non-emitting {sorted(extra)}")
-        self._in_flight = None
+        self._in_flight, aborting, self._aborting = None, self._aborting, set()
         now = self.clock()
         finished = []
         for work in step.work:
             request = work.request
+            if request in aborting:
+                self._finish(request, "abort", now)
+                finished.append(request)
+                continue
             request.computed += len(work.tokens)
             if not work.emits:
                 continue
@@ -214,26 +239,29 @@ class Scheduler:
             request.output.append(token)
             request.token_times.append(now)
             if token in request.stop_token_ids:
-                request.finish_reason = "stop"
+                self._finish(request, "stop", now)
             elif len(request.output) == request.max_tokens:
-                request.finish_reason = "length"
-            if request.finished:
-                request.finish_time = now
-                self._release(request)
-                finished.append(request)
+                self._finish(request, "length", now)
+            else:
+                continue
+            finished.append(request)
         return finished
 
-    def _release(self, request: Request) -> None:
-        self._running.remove(request)
-        heapq.heappush(self._free_slots, request.slot)
-        for page in request.pages:
-            heapq.heappush(self._free_pages, page)
-        request.slot, request.pages = None, []
+    def _finish(self, request: Request, reason: str, now: float) -> None:
+        """Free the request's slot and pages, then mark it finished: whoever sees it finished, on any thread, sees
+        them free."""
+        if request.slot is not None:  # running; a waiting request holds none
+            self._running.remove(request)
+            heapq.heappush(self._free_slots, request.slot)
+            for page in request.pages:
+                heapq.heappush(self._free_pages, page)
+            request.slot, request.pages = None, []
+        request.finish_reason, request.finish_time = reason, now
 
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """Latency of one finished request, in the scheduler clock's units."""
+    """Latency of one request that ran to its end, in the scheduler clock's units."""
 
     ttft: float  # time to first token: first output's time - arrival
     tpot: float | None  # time per output token: mean gap between outputs after the first; None for one output
@@ -243,6 +271,8 @@ class RequestMetrics:
     def of(cls, request: Request) -> RequestMetrics:
         if not request.finished or request.arrival is None:
             raise ValueError(f"request {request.id!r} has not finished")
+        if request.finish_reason == "abort":  # cut short, perhaps before any token: not a served request's latency
+            raise ValueError(f"request {request.id!r} was aborted")
         times = request.token_times
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         return cls(ttft=times[0] - request.arrival, tpot=tpot, output_tokens=len(times))
@@ -258,8 +288,10 @@ def percentile(values: Iterable[float], p: float) -> float | None:
 
 
 def summary(requests: Iterable[Request]) -> dict[str, float | int | None]:
-    """p50/p99 TTFT and TPOT, total output tokens and throughput (output tokens / (last finish - first arrival))."""
-    finished = list(requests)
+    """p50/p99 TTFT and TPOT, total output tokens and throughput (output tokens / (last finish - first arrival)) of the
+    requests that ran to their end; aborted ones are only counted, as serving benchmarks count failed requests."""
+    given = list(requests)
+    finished = [r for r in given if r.finish_reason != "abort"]
     metrics = [RequestMetrics.of(r) for r in finished]
     ttfts = [m.ttft for m in metrics]
     tpots = [m.tpot for m in metrics if m.tpot is not None]
@@ -267,6 +299,7 @@ def summary(requests: Iterable[Request]) -> dict[str, float | int | None]:
     duration = (max(r.finish_time for r in finished) - min(r.arrival for r in finished)) if finished else 0.0
     return {
         "requests": len(metrics),
+        "aborted": len(given) - len(finished),
         "output_tokens": output_tokens,
         "duration": duration,
         "throughput": output_tokens / duration if duration > 0 else None,  # None: no elapsed time to divide by

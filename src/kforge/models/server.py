@@ -9,7 +9,9 @@ Threads: the Engine is not thread-safe, so one engine thread owns it. The HTTP h
 http.server.ThreadingHTTPServer; standard library only) parse a request, put it on a queue and wait on the request's
 own queue; the engine thread submits what arrived, runs steps while any request is unfinished, and after each step
 hands every request its new token. A streaming handler sends text as TextStream gives it: the decode of the output so
-far, less what was sent, so a character split over tokens goes out whole.
+far, less what was sent, so a character split over tokens goes out whole. When a streaming client hangs up, its
+handler marks the job abandoned and the engine thread aborts the request before its next step, freeing its slot and
+pages.
 
 Endpoints as in OpenAI's API: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, each with `stream`
 (server-sent events, `data: [DONE]` last) and `stream_options.include_usage`. Extensions: `top_k`, `stop_token_ids`,
@@ -71,7 +73,7 @@ class _Job:
     params: SamplingParams
     events: queue.Queue = field(default_factory=queue.Queue)
     delivered: int = 0  # output tokens already sent as events (the engine thread's to write)
-    abandoned: bool = False  # the client went away: the engine thread ends the request at its next token
+    abandoned: bool = False  # the client went away: the engine thread aborts the request before its next step
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,10 @@ class Server:
         running[request] = job
 
     def _step(self, running: dict[Request, _Job]) -> None:
+        for request, job in list(running.items()):
+            if job.abandoned:  # before the step, so no pass is spent on it; its finish_reason has no one to go to
+                self.engine.abort(request.id)
+                del running[request]
         try:
             self.engine.step()
         except Exception as exc:  # noqa: BLE001 - the device or a bug: every request is told, the server stays up
@@ -189,8 +195,6 @@ class Server:
                 job.delivered = len(request.output)
             if request.finished:
                 del running[request]
-            elif job.abandoned:  # the scheduler finishes a request whose output reaches max_tokens
-                request.max_tokens = min(request.max_tokens, len(request.output) + 1)
 
     def _fail(self, exc: Exception, jobs: Iterable[_Job]) -> None:
         self._failure = f"the engine failed: {type(exc).__name__}: {exc}"
