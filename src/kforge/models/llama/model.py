@@ -179,8 +179,14 @@ class Llama(nn.Module):
         dec_rows = torch.tensor(decodes, dtype=torch.long, device=tables.device)
         dec_tables = tables.index_select(0, dec_rows) if n_dec else None
         before = torch.tensor([cache.lengths[s] for s in decodes], dtype=torch.int32, device=tables.device)
-        fresh = [(i, chunk) for i, chunk in enumerate(batch.chunks) if chunk[1] == 0]
         starts = _offsets(n_dec, batch.chunks)
+        chunk_lens = [torch.tensor([start], dtype=torch.int32, device=tables.device) for _, start, _ in batch.chunks]
+        # the chunks that start a sequence: one packed varlen call per layer, its rows and offsets built once
+        fresh = [(row, length) for (_, start, length), row in zip(batch.chunks, starts) if start == 0]
+        if fresh:
+            fresh_rows = torch.cat([torch.arange(row, row + length) for row, length in fresh]).to(tables.device)
+            fresh_cu = cumulative_seqlens([length for _, length in fresh], tables.device)
+            fresh_max = max(length for _, length in fresh)
         table = self.rope(int(batch.positions.max()) + 1)
 
         h = F.embedding(batch.tokens, self.embed)
@@ -200,19 +206,16 @@ class Llama(nn.Module):
                                     before, validate=False)
                 out[:n_dec] = ops.paged_decode_attention(q[:n_dec].contiguous(), k_pool, v_pool, dec_tables,
                                                          before + 1, validate=False)
-            for (slot, start, length), row in zip(batch.chunks, starts):
+            for (slot, start, length), row, before_chunk in zip(batch.chunks, starts, chunk_lens):
                 rows = slice(row, row + length)
                 ops.paged_kv_append(k[rows].unsqueeze(0).contiguous(), v[rows].unsqueeze(0).contiguous(), k_pool,
-                                    v_pool, tables[slot:slot + 1],
-                                    torch.tensor([start], dtype=torch.int32, device=tables.device), validate=False)
+                                    v_pool, tables[slot:slot + 1], before_chunk, validate=False)
                 if start:
                     out[rows] = _continued_chunk(q[rows], *cache.gather(layer, slot, start + length), start)
             if fresh:
-                rows = torch.cat([torch.arange(starts[i], starts[i] + chunk[2]) for i, chunk in fresh]).to(q.device)
-                lengths = [chunk[2] for _, chunk in fresh]
-                cu = cumulative_seqlens(lengths, q.device)
-                out[rows] = ops.flash_attention_varlen(q[rows], k[rows], v[rows], cu, cu, max(lengths), max(lengths),
-                                                       causal=True, check_lengths=False)
+                out[fresh_rows] = ops.flash_attention_varlen(q[fresh_rows], k[fresh_rows], v[fresh_rows], fresh_cu,
+                                                             fresh_cu, fresh_max, fresh_max, causal=True,
+                                                             check_lengths=False)
             x, h = ops.rms_norm(linear(out.view(-1, c.q_dim), block.wo), block.ffn_norm, c.norm_eps, residual=h)
             h = h + linear(ops.swiglu(linear(x, block.w_gate_up)), block.w_down)
 
