@@ -117,17 +117,12 @@ def nan_outputs(monkeypatch):
 # `save_pretrained` into a temporary directory (no download) ---------------------------------
 
 def hf_config():
+    """transformers' LlamaConfig of the tiny preset."""
     transformers = pytest.importorskip("transformers")
     from kforge.models.llama import preset
+    from kforge.models.llama.export import to_hf_config
 
-    c = preset("tiny")
-    s = c.rope_scaling
-    return transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim, num_hidden_layers=c.n_layers,
-        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, max_position_embeddings=c.max_position,
-        rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, bos_token_id=1, eos_token_id=2,
-        rope_scaling={"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                      "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position})
+    return transformers.LlamaConfig(**to_hf_config(preset("tiny")))
 
 
 def save_tiny_checkpoint(folder):

@@ -93,8 +93,23 @@ def _shards(directory: Path) -> list[Path]:
     return shards
 
 
-# Hugging Face name -> (kforge parameter, row offset within it as a function of the config)
+def hf_layer_parts(config: LlamaConfig) -> dict[str, tuple[str, int, int]]:
+    """Each Hugging Face per-layer weight, by its name between `model.layers.N.` and `.weight`,
+    as (kforge parameter, first row, rows): the fused weights hold several, stacked. The one
+    table both directions read (loading here, export.py)."""
+    q, kv, ffn, dim = config.q_dim, config.kv_dim, config.ffn_dim, config.dim
+    return {
+        "self_attn.q_proj": ("wqkv", 0, q), "self_attn.k_proj": ("wqkv", q, kv),
+        "self_attn.v_proj": ("wqkv", q + kv, kv), "self_attn.o_proj": ("wo", 0, dim),
+        "mlp.gate_proj": ("w_gate_up", 0, ffn), "mlp.up_proj": ("w_gate_up", ffn, ffn),
+        "mlp.down_proj": ("w_down", 0, dim),
+        "input_layernorm": ("attn_norm", 0, dim), "post_attention_layernorm": ("ffn_norm", 0, dim),
+    }
+
+
 def _destination(name: str, config: LlamaConfig) -> tuple[str, int] | None:
+    """Where a checkpoint tensor goes: (kforge parameter, first row); ("", 0) for a name no
+    Llama has; None for one to skip."""
     if name == "model.embed_tokens.weight":
         return "embed", 0
     if name == "model.norm.weight":
@@ -104,21 +119,10 @@ def _destination(name: str, config: LlamaConfig) -> tuple[str, int] | None:
     if name.endswith("rotary_emb.inv_freq"):  # older checkpoints saved the RoPE buffer: recomputed here
         return None
     parts = name.split(".")
-    if len(parts) not in (5, 6) or parts[:2] != ["model", "layers"] or parts[-1] != "weight":
+    if len(parts) < 5 or parts[:2] != ["model", "layers"] or parts[-1] != "weight":
         return "", 0
-    layer, module, proj = parts[2], parts[3], parts[4]
-    q, kv, ffn = config.q_dim, config.kv_dim, config.ffn_dim
-    table = {
-        ("self_attn", "q_proj"): ("wqkv", 0), ("self_attn", "k_proj"): ("wqkv", q),
-        ("self_attn", "v_proj"): ("wqkv", q + kv), ("self_attn", "o_proj"): ("wo", 0),
-        ("mlp", "gate_proj"): ("w_gate_up", 0), ("mlp", "up_proj"): ("w_gate_up", ffn),
-        ("mlp", "down_proj"): ("w_down", 0),
-    }
-    if len(parts) == 5:  # model.layers.N.<norm>.weight
-        norm = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}.get(module)
-        return (f"layers.{layer}.{norm}", 0) if norm else ("", 0)
-    target = table.get((module, proj))
-    return (f"layers.{layer}.{target[0]}", target[1]) if target else ("", 0)
+    target = hf_layer_parts(config).get(".".join(parts[3:-1]))
+    return (f"layers.{parts[2]}.{target[0]}", target[1]) if target else ("", 0)
 
 
 def _load_weights(model: Llama, directory: Path) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kforge.models.llama.checkpoint import hf_layer_parts
 from kforge.models.llama.config import LlamaConfig
 from kforge.models.llama.model import Llama
 
@@ -36,18 +37,13 @@ def to_hf_config(config: LlamaConfig) -> dict:
 
 def to_hf_state_dict(model: Llama) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face's names, the fused ones split (views, no copy)."""
-    c = model.config
     tensors = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm}
     if model.lm_head is not None:
         tensors["lm_head.weight"] = model.lm_head
+    parts = hf_layer_parts(model.config)
     for i, block in enumerate(model.layers):
-        q, k, v = block.wqkv.split([c.q_dim, c.kv_dim, c.kv_dim])
-        gate, up = block.w_gate_up.split(c.ffn_dim)
-        for name, t in {"self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v,
-                        "self_attn.o_proj": block.wo, "mlp.gate_proj": gate, "mlp.up_proj": up,
-                        "mlp.down_proj": block.w_down, "input_layernorm": block.attn_norm,
-                        "post_attention_layernorm": block.ffn_norm}.items():
-            tensors[f"model.layers.{i}.{name}.weight"] = t
+        for name, (target, row, rows) in parts.items():
+            tensors[f"model.layers.{i}.{name}.weight"] = getattr(block, target)[row:row + rows]
     return {name: t.detach() for name, t in tensors.items()}
 
 
