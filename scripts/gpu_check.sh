@@ -154,7 +154,9 @@ if [[ $parts == *" harness "* ]]; then
 fi
 kb="${KB_DIR:-$PWD/.kb/KernelBench}"
 if [[ $parts == *" gate2 "* ]]; then
-  python3 -m pytest -q -p no:cacheprovider -rfEs tests/harness/test_gate2_gpu.py tests/harness/test_judge_gpu.py 2>&1 \
+  judge_tests=tests/harness/test_judge_gpu.py
+  [[ $parts == *" harness "* ]] && judge_tests=  # the harness part has run them
+  python3 -m pytest -q -p no:cacheprovider -rfEs tests/harness/test_gate2_gpu.py $judge_tests 2>&1 \
     | tail -40 | tee "$out/pytest-gate2-gpu.txt"
   python3 -m kforge eval "$kb/level1/23_Softmax.py" tests/fixtures/candidates/softmax_of_zeros.py --no-save \
     --time-budget 2 2>&1 | tee "$out/eval-kb-softmax-of-zeros.txt"
