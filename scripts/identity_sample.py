@@ -1,6 +1,6 @@
 """Gate 2's bias check: every problem against itself, as `kforge eval` judges a candidate.
 
-    python scripts/identity_sample.py KERNELBENCH_DIR OUT [--every 4] [--levels 1,2,3] [--budget 2]
+    python scripts/identity_sample.py KERNELBENCH_DIR OUT [--every 4] [--offset 0] [--levels 1,2,3] [--budget 2]
                                       [--only 21_Sigmoid,89_cumsum]
 
 For every `--every`-th problem file of each KernelBench level (KERNELBENCH_DIR/level1...,
@@ -25,11 +25,12 @@ from kforge.harness.record import append_record
 from kforge.harness.timing import TimingConfig
 
 
-def sample(root: Path, levels: list[int], every: int, only: set[str] | None = None) -> list[tuple[int, Path]]:
+def sample(root: Path, levels: list[int], every: int, only: set[str] | None = None,
+           offset: int = 0) -> list[tuple[int, Path]]:
     picked = []
     for level in levels:
         files = sorted((root / f"level{level}").glob("*.py"), key=lambda p: int(p.name.split("_")[0]))
-        picked += [(level, path) for path in files[::every] if not only or path.stem in only]
+        picked += [(level, path) for path in files[offset::every] if not only or path.stem in only]
     return picked
 
 
@@ -45,6 +46,7 @@ def main() -> int:
     parser.add_argument("kernelbench", type=Path, help="the folder holding level1, level2, level3")
     parser.add_argument("out", type=Path)
     parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--offset", type=int, default=0, help="start at this file of each level (0: the first)")
     parser.add_argument("--levels", default="1,2,3")
     parser.add_argument("--budget", type=float, default=2.0, help="gate 2's time budget per problem (s)")
     parser.add_argument("--only", default="", help="only these problems of the sample (file names without .py)")
@@ -55,7 +57,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         only = {name for name in args.only.split(",") if name}
-        for level, problem in sample(args.kernelbench, levels, args.every, only):
+        for level, problem in sample(args.kernelbench, levels, args.every, only, args.offset):
             started = time.perf_counter()
             record = evaluate_isolated(problem, identity_candidate(problem, Path(folder)),
                                        timing=TimingConfig(budget_s=args.budget), remeasure_above=None,
