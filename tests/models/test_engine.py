@@ -36,6 +36,17 @@ def test_greedy_generation_matches_transformers(model, checkpoint):
         assert len(tokens) == 12 or tokens[-1] == 2  # max_tokens, or the eos token (kept)
 
 
+def test_padded_decode_steps_match_transformers(model, checkpoint):
+    # 3 requests in 4 slots: the decode steps pad 3 rows to the bucket of 4 (llama/graphs.py,
+    # run eagerly on a CPU), the padded row writing only the cache's scratch page
+    _, hf = checkpoint
+    engine = Engine(model, page_size=8, max_slots=4, max_context=64, cuda_graphs=True)
+    assert engine.graphs.bucket(3) == 4
+    for prompt, tokens in zip(PROMPTS[:3], engine.generate(PROMPTS[:3], SamplingParams(max_tokens=12))):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        assert tokens == want[:len(tokens)]
+
+
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=10),
                                     SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_tokens=10, seed=7)],
                          ids=["greedy", "seeded"])

@@ -1,5 +1,11 @@
 """The Llama engine on the GPU, on kforge's kernels: the 1B shape in bf16 against transformers
-with the same (random) weights."""
+with the same (random) weights.
+
+bf16 is not a reference: on these random weights transformers' own bf16 logits are ~5%
+(relative L2) from its fp32 logits and agree on the top token only ~90% of the time (CPU,
+200 tokens). So both bf16 models are judged against transformers in fp32, and ours must be
+no further from it than transformers' bf16 is (with a 25% margin); the architecture itself
+matches in fp32 to ~3e-6 (the CPU tests)."""
 
 import pytest
 import torch
@@ -13,16 +19,25 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def pair():
+def models():
+    """Ours in bf16; transformers with the same weights in fp32 and in bf16."""
     transformers = pytest.importorskip("transformers")
     model = random_model("llama3-1b", seed=0, dtype=torch.bfloat16, device="cuda")
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**to_hf_config(model.config)))
-    hf.load_state_dict(to_hf_state_dict(model), strict=False)  # a tied head is one tensor
-    return model, hf.to(device="cuda", dtype=torch.bfloat16).eval()
+    hf.load_state_dict({k: v.float() for k, v in to_hf_state_dict(model).items()}, strict=False)  # tied head
+    hf32 = hf.to(device="cuda", dtype=torch.float32).eval()
+    hf16 = transformers.LlamaForCausalLM(transformers.LlamaConfig(**to_hf_config(model.config)))
+    hf16.load_state_dict(to_hf_state_dict(model), strict=False)
+    return model, hf32, hf16.to(device="cuda", dtype=torch.bfloat16).eval()
 
 
-def test_1b_logits_match_transformers_in_bf16(pair):
-    model, hf = pair
+def errors(logits: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """Relative L2 error and top-1 agreement against `want`."""
+    return float((logits - want).norm() / want.norm()), float((logits.argmax(-1) == want.argmax(-1)).float().mean())
+
+
+def test_1b_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(models):
+    model, hf32, hf16 = models
     prompt = torch.randint(1, model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(1)).tolist()
     cache = KVCache(model.config, num_pages=16, page_size=16, max_slots=1, max_context=256, dtype=torch.bfloat16,
                     device="cuda")
@@ -31,16 +46,19 @@ def test_1b_logits_match_transformers_in_bf16(pair):
     batch.logit_rows = torch.arange(len(prompt), device="cuda")
     ours = model(batch, cache)
     with torch.no_grad():
-        want = hf(torch.tensor([prompt], device="cuda")).logits[0].float()
-    rel_l2 = (ours - want).norm() / want.norm()
-    top1 = (ours.argmax(-1) == want.argmax(-1)).float().mean()
-    assert rel_l2 < 2e-2 and top1 > 0.95, (float(rel_l2), float(top1))  # bf16: two roundings of each product
+        ids = torch.tensor([prompt], device="cuda")
+        want, theirs = hf32(ids).logits[0].float(), hf16(ids).logits[0].float()
+    (our_err, our_top1), (their_err, their_top1) = errors(ours, want), errors(theirs, want)
+    assert our_err <= 1.25 * their_err and our_top1 >= their_top1 - 0.05, (our_err, our_top1, their_err, their_top1)
 
 
-def test_1b_greedy_tokens_match_transformers_at_first(pair):
-    model, hf = pair
+def test_1b_greedy_tokens_are_fp32_transformers_top_choices(models):
+    """Each token our engine picks greedily (graphed decode steps) is among transformers' fp32
+    top 3 after the same prefix: bf16 may swap near-ties, never pick what fp32 ranks low."""
+    model, hf32, _ = models
     prompt = list(range(1000, 1032))
-    ours = Engine(model, max_slots=1, max_context=256).generate([prompt], SamplingParams(max_tokens=8))[0]
+    ours = Engine(model, max_slots=1, max_context=256).generate([prompt], SamplingParams(max_tokens=16))[0]
     with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8, do_sample=False)[0, 32:].tolist()
-    assert ours[:4] == want[:4], (ours, want)
+        logits = hf32(torch.tensor([prompt + ours], device="cuda")).logits[0]
+    top3 = logits[len(prompt) - 1:len(prompt) - 1 + len(ours)].topk(3, dim=-1).indices.tolist()
+    assert all(token in top for token, top in zip(ours, top3)), (ours, top3)

@@ -11,6 +11,12 @@ admitted request its pages in the cache, runs one forward pass over the packed t
 stop token or at max_tokens and frees their slots and pages. `abort()` ends a request early,
 between steps (the server's, when its client hangs up).
 
+A step of decodes alone (no prompt chunk) on a GPU is padded to a batch bucket and replayed
+as a CUDA graph (llama/graphs.py), captured at the bucket's first step or up front by
+`warmup()`; a small batch's decode step is otherwise bound by the host's kernel launches.
+Steps with prompt chunks run the eager forward. `cuda_graphs=False` runs every step
+eagerly; `cuda_graphs=True` off a GPU runs the padded decode step eagerly, as the CPU tests do.
+
 Sizing: the KV cache gets `kv_pages` pages of `page_size` tokens, shared by `max_slots`
 slots; `plan_pages` derives a count from a byte budget. A prompt the context cannot hold
 is refused at submit with one line.
@@ -25,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from kforge.errors import ModelError
+from kforge.models.llama.graphs import DecodeGraphs
 from kforge.models.llama.model import Batch, KVCache, Llama
 from kforge.models.sampling import SamplingParams, make_generator, sample
 from kforge.models.scheduler import Request, Scheduler, Step
@@ -38,7 +45,9 @@ def plan_pages(model: Llama, budget_bytes: int, page_size: int, dtype: torch.dty
 class Engine:
     def __init__(self, model: Llama, *, tokenizer=None, page_size: int = 16, max_slots: int = 8,
                  max_context: int = 2048, kv_pages: int | None = None, max_step_tokens: int = 512,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, cuda_graphs: bool | None = None):
+        """cuda_graphs: whether decode-only steps take the padded, graphed path; None means
+        when the model is on a CUDA device."""
         self.model, self.tokenizer = model, tokenizer
         config = model.config
         if max_context > config.max_position:
@@ -52,6 +61,8 @@ class Engine:
                                    max_step_tokens=max(max_step_tokens, max_slots), max_context=max_context,
                                    clock=clock)
         self.device = device
+        graphed = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = DecodeGraphs(model, self.cache, max_batch=max_slots, max_context=max_context) if graphed else None
         self._generators: dict[str, torch.Generator | None] = {}
         self._ids = itertools.count()
 
@@ -96,8 +107,12 @@ class Engine:
         step = self.scheduler.schedule()
         if step is None:
             return []
-        batch, emitting = self._batch(step)
-        logits = self.model(batch, self.cache)
+        if self.graphs is not None and not step.prefills:
+            emitting = [w.request for w in step.decodes]
+            logits = self.graphs([(w.request.slot, w.start, w.tokens[0]) for w in step.decodes])
+        else:
+            batch, emitting = self._batch(step)
+            logits = self.model(batch, self.cache)
         tokens = sample(logits, [r.params for r in emitting], [self._generators[r.id] for r in emitting]).tolist()
         finished = self.scheduler.complete(step, {r.id: t for r, t in zip(emitting, tokens)})
         for request in finished:
@@ -114,6 +129,12 @@ class Engine:
         chunks = [(w.request.slot, w.start, w.tokens, w.emits) for w in step.prefills]
         emitting = [w.request for w in step.decodes] + [w.request for w in step.prefills if w.emits]
         return Batch.build(decodes, chunks, self.device), emitting
+
+    def warmup(self) -> None:
+        """Capture every batch bucket's decode graph now rather than at its first step (a
+        server's or a benchmark's first steps then run at full speed); nothing without graphs."""
+        if self.graphs is not None:
+            self.graphs.warmup()
 
     def run(self) -> Iterator[Request]:
         """Step until every submitted request has finished, yielding each as it does."""

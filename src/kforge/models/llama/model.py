@@ -23,6 +23,11 @@ A continued chunk attends to its sequence's earlier tokens through the cache: th
 gathered from the pages and attended with SDPA under a bottom-right causal mask. It is
 correct everywhere and slower than the packed kernel (kforge's varlen kernel is causal
 from the top-left only); prompts that fit one step never take it.
+
+`decode` is the same layers for a step of decodes alone, written so that a CUDA graph can
+capture it (graphs.py): its inputs are device tensors of fixed shape, and nothing in it
+reads a device value on the host, builds a tensor from host values or sizes anything by
+the step's values.
 """
 
 from __future__ import annotations
@@ -66,21 +71,29 @@ class KVCache:
     """Every layer's K and V pages. A sequence's slot is its block-table row, and the pages
     it is assigned (by the scheduler) hold its tokens in order: position p in
     pages[p // page_size] at offset p % page_size (`kforge.ops.paged_attention` explains the
-    layout). Lengths and page lists live on the host."""
+    layout). Lengths and page lists live on the host.
+
+    Beyond the `num_pages` pages and `max_slots` rows asked for there is one scratch page
+    (number num_pages) and one more row, `pad_slot`, that names it: a padded row of a graphed
+    decode step (graphs.py) writes its K and V there, never into a sequence's pages."""
 
     def __init__(self, config: LlamaConfig, *, num_pages: int, page_size: int, max_slots: int, max_context: int,
                  dtype: torch.dtype, device: torch.device | str):
-        shape = (config.n_layers, num_pages, config.n_kv_heads, page_size, config.head_dim)
+        shape = (config.n_layers, num_pages + 1, config.n_kv_heads, page_size, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_pages, self.page_size = num_pages, page_size
-        self.block_tables = torch.full((max_slots, -(-max_context // page_size)), -1, dtype=torch.int32,
+        self.block_tables = torch.full((max_slots + 1, -(-max_context // page_size)), -1, dtype=torch.int32,
                                        device=device)
+        self.pad_slot = max_slots
+        self.block_tables[self.pad_slot, 0] = num_pages
         self.lengths = [0] * max_slots
         self._pages: list[list[int]] = [[] for _ in range(max_slots)]
 
     def assign(self, slot: int, pages: list[int]) -> None:
         """Give `slot` these pages (a new sequence: its length starts at 0)."""
+        if not 0 <= slot < self.pad_slot:
+            raise ModelError(f"slot {slot} is not one of the cache's {self.pad_slot} slots")
         if len(pages) > self.block_tables.shape[1] or any(not 0 <= p < self.num_pages for p in pages):
             raise ModelError(f"slot {slot}: {len(pages)} pages do not fit a block-table row of "
                              f"{self.block_tables.shape[1]} or a pool of {self.num_pages}")
@@ -172,7 +185,6 @@ class Llama(nn.Module):
     def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
         """Logits (len(batch.logit_rows), vocab) in fp32; appends every token's K and V to the
         cache and advances its lengths."""
-        c = self.config
         tables = cache.block_tables
         decodes = batch.decode_slots
         n_dec = len(decodes)
@@ -191,14 +203,7 @@ class Llama(nn.Module):
 
         h = F.embedding(batch.tokens, self.embed)
         for layer, block in enumerate(self.layers):
-            if isinstance(block.wqkv, torch.Tensor):
-                qkv = ops.rms_norm_qkv(h, block.attn_norm, block.wqkv, c.norm_eps)
-            else:  # the fused op takes a plain weight
-                qkv = linear(ops.rms_norm(h, block.attn_norm, c.norm_eps), block.wqkv)
-            q = qkv[:, :c.q_dim].view(-1, c.n_heads, c.head_dim)
-            k = qkv[:, c.q_dim:c.q_dim + c.kv_dim].view(-1, c.n_kv_heads, c.head_dim)
-            v = qkv[:, c.q_dim + c.kv_dim:].view(-1, c.n_kv_heads, c.head_dim)
-            _rope(q, k, batch.positions, table)
+            q, k, v = self._qkv(block, h, batch.positions, table)
             k_pool, v_pool = cache.k[layer], cache.v[layer]
             out = torch.empty_like(q)
             if n_dec:
@@ -216,15 +221,59 @@ class Llama(nn.Module):
                 out[fresh_rows] = ops.flash_attention_varlen(q[fresh_rows], k[fresh_rows], v[fresh_rows], fresh_cu,
                                                              fresh_cu, fresh_max, fresh_max, causal=True,
                                                              check_lengths=False)
-            x, h = ops.rms_norm(linear(out.view(-1, c.q_dim), block.wo), block.ffn_norm, c.norm_eps, residual=h)
-            h = h + linear(ops.swiglu(linear(x, block.w_gate_up)), block.w_down)
+            h = self._after_attention(block, out, h)
 
         for slot in decodes:
             cache.lengths[slot] += 1
         for slot, start, length in batch.chunks:
             cache.lengths[slot] = start + length
-        last = ops.rms_norm(h.index_select(0, batch.logit_rows), self.norm, c.norm_eps)
-        return linear(last, self.head_weight()).float()
+        return self._logits(h.index_select(0, batch.logit_rows))
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
+               rope: torch.Tensor) -> torch.Tensor:
+        """Logits (B, vocab) in fp32 of one decode token per row: row i is `tokens[i]` at
+        `positions[i]` of `slots[i]` (int64 (B,) tensors on the cache's device; a sequence at
+        position p has p cached tokens). Appends each row's K and V to the cache; the caller
+        advances `cache.lengths`. `rope`: a [cos | sin] table (`Llama.rope`) of every position.
+
+        Capturable as a CUDA graph: the block-table rows are gathered and the lengths derived
+        on the device, and every op is called with validate=False (no device read)."""
+        tables = cache.block_tables.index_select(0, slots)
+        before = positions.to(torch.int32)
+        after = before + 1
+        h = F.embedding(tokens, self.embed)
+        for layer, block in enumerate(self.layers):
+            q, k, v = self._qkv(block, h, positions, rope)
+            k_pool, v_pool = cache.k[layer], cache.v[layer]
+            # k, v and q are views into the QKV projection: the kernels take their strides as they are
+            ops.paged_kv_append(k, v, k_pool, v_pool, tables, before, validate=False)
+            out = ops.paged_decode_attention(q, k_pool, v_pool, tables, after, validate=False)
+            h = self._after_attention(block, out, h)
+        return self._logits(h)
+
+    def _qkv(self, block: Block, h: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block's normed QKV projection as (T, heads, head_dim) views, q and k rotated."""
+        c = self.config
+        if isinstance(block.wqkv, torch.Tensor):
+            qkv = ops.rms_norm_qkv(h, block.attn_norm, block.wqkv, c.norm_eps)
+        else:  # the fused op takes a plain weight
+            qkv = linear(ops.rms_norm(h, block.attn_norm, c.norm_eps), block.wqkv)
+        q = qkv[:, :c.q_dim].view(-1, c.n_heads, c.head_dim)
+        k = qkv[:, c.q_dim:c.q_dim + c.kv_dim].view(-1, c.n_kv_heads, c.head_dim)
+        v = qkv[:, c.q_dim + c.kv_dim:].view(-1, c.n_kv_heads, c.head_dim)
+        _rope(q, k, positions, table)
+        return q, k, v
+
+    def _after_attention(self, block: Block, attention: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the block: the output projection, the norm, SwiGLU."""
+        c = self.config
+        x, h = ops.rms_norm(linear(attention.view(-1, c.q_dim), block.wo), block.ffn_norm, c.norm_eps, residual=h)
+        return h + linear(ops.swiglu(linear(x, block.w_gate_up)), block.w_down)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return linear(ops.rms_norm(h, self.norm, self.config.norm_eps), self.head_weight()).float()
 
 
 def _offsets(first: int, chunks: list[tuple[int, int, int]]) -> list[int]:
