@@ -21,6 +21,7 @@
 #   identity-sample   (scripts/identity_sample.py on every 4th KernelBench problem of KB_LEVELS, default 1,2,3)
 #   judge-overhead   (scripts/judge_overhead.py against the tree in OLD_SRC; OVERHEAD_REPEATS, default 2)
 #   models   (the Llama engine's GPU tests, 1B shape against transformers; a kforge generate on llama3-1b)
+#   bench-model   (kforge bench model on llama3-8b: decode, batch, trace, prefill; BENCH_MODEL_SECONDS, default 360)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
@@ -176,4 +177,9 @@ if [[ $parts == *" models "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/models 2>&1 | tail -20 | tee "$out/pytest-models-gpu.txt"
   python3 -m kforge generate --model llama3-1b --prompt-ids 128000,791,6864,315,9822,374 --max-tokens 128 --json \
     2>&1 | tee "$out/generate-llama3-1b.json"
+fi
+if [[ $parts == *" bench-model "* ]]; then
+  timeout 540 python3 -m kforge bench model --model llama3-8b --parts decode,batch,trace,prefill \
+    --compile-mode reduce-overhead --max-seconds "${BENCH_MODEL_SECONDS:-360}" --results "$out/bench-model.jsonl" 2>&1 \
+    | tee "$out/bench-model.txt"
 fi

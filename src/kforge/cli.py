@@ -454,11 +454,12 @@ class BenchFamily(str, Enum):
     attention = "attention"
     serving = "serving"
     quant = "quant"
+    model = "model"
 
 
 @app.command("bench")
 def bench_command(
-    family: BenchFamily = typer.Argument(..., help="What to benchmark: gemm, attention, serving or quant."),
+    family: BenchFamily = typer.Argument(..., help="What to benchmark: gemm, attention, serving, quant or model."),
     shapes: str = typer.Option("all", help="all; for gemm also squares or llm; for serving an op group (norms, "
                                "swiglu, rope, gemv, paged, norm_qkv, varlen); for quant a group (fp8, w4a16, "
                                "nvfp4-gemv, nvfp4-gemm); or a comma list of shape labels "
@@ -472,11 +473,29 @@ def bench_command(
     sweep: bool = typer.Option(False, help="attention: time our kernel in each of its autotuner's configs "
                                "instead of the methods."),
     json_output: bool = typer.Option(False, "--json", help="Print the table's rows as JSON instead of the table."),
+    model: str = typer.Option(None, "--model", help="model: a preset, random weights (default llama3-8b; "
+                              "llama3-1b or tiny for quick runs).", show_default=False),
+    parts: str = typer.Option(None, help="model: a comma list of decode, batch, prefill, trace (default all).",
+                              show_default=False),
+    weights: str = typer.Option(None, help="model: our weight formats, a comma list of bf16, w4a16, fp8 (default "
+                                "all; batch, prefill and trace run the first).", show_default=False),
+    baselines: str = typer.Option(None, help="model: transformers, compiled, both (default) or none.",
+                                  show_default=False),
+    sizes: str = typer.Option(None, help="model: KEY=VALUE,... over the defaults: prompt=512, steps=128, warmup=8, "
+                              "batch=64, context=4096, batch_steps=32, prefill_batch=8, prefill_len=2048, "
+                              "prefill_reps=5, requests=64, rate=4, trace_prompt=128:1024, trace_output=64:256, "
+                              "slots=32, step_tokens=2048.", show_default=False),
+    max_seconds: float = typer.Option(None, help="model: start no part or method after this many seconds (the "
+                                      "rest are recorded as skipped).", show_default=False),
+    compile_mode: str = typer.Option(None, help="model: torch.compile mode of the compiled baseline's decode: "
+                                     "max-autotune (default), reduce-overhead or default.", show_default=False),
 ) -> None:
     """Our kernels against the best library over a sweep of shapes, in one run: GEMM vs
     cuBLAS (ours and Triton), attention vs SDPA's flash backend (ours, naive, cuDNN,
     efficient), serving kernels vs eager PyTorch and torch.compile (GB/s, % of copy),
-    low-precision kernels vs torch._scaled_mm and bf16 cuBLAS on the same numbers."""
+    low-precision kernels vs torch._scaled_mm and bf16 cuBLAS on the same numbers; the
+    Llama engine vs transformers and a compiled gpt-fast-style model (tok/s, % of the
+    weight-bandwidth floor)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from kforge.bench import bench_rows, run_bench, save_bench_chart
@@ -484,6 +503,17 @@ def bench_command(
 
     results = results or default_results(f"bench-{family.value}.jsonl")
     chart = chart or results.with_suffix(".png")
+    model_only = {"--model": model, "--parts": parts, "--weights": weights, "--baselines": baselines,
+                  "--sizes": sizes, "--max-seconds": max_seconds, "--compile-mode": compile_mode}
+    if family == BenchFamily.model:
+        if shapes != "all" or sweep or time_budget != 1.0:
+            raise KforgeError("kforge bench model takes --parts, --sizes and --max-seconds, not --shapes, --sweep "
+                              "or --time-budget")
+        _bench_model(model_only, results=results, chart=chart, replot=replot, json_output=json_output)
+        return
+    if any(value is not None for value in model_only.values()):
+        given = ", ".join(name for name, value in model_only.items() if value is not None)
+        raise KforgeError(f"{given}: for kforge bench model only")
     if family == BenchFamily.gemm:
         from kforge.bench import gemm as bench
         every = bench.gemm_shapes()
@@ -566,6 +596,35 @@ def bench_command(
     if json_output:
         print_json({"title": title, "baseline": bench.BASELINE, "rows": rows})
     save_chart_or_say(save, rows, chart, **kwargs)
+
+
+def _bench_model(given: dict, *, results: Path, chart: Path, replot: bool, json_output: bool) -> None:
+    """`kforge bench model`: run (or, with --replot, read) the records, then the table and the chart."""
+    from kforge.bench import model as bench
+    from kforge.harness.record import read_records
+
+    if replot:
+        if not results.is_file():
+            raise KforgeError(f"nothing to replot: {results} does not exist")
+        with _store_warnings():
+            records = [r for r in read_records(results) if r.get("bench") == "model"]
+    else:
+        options = bench.ModelBenchOptions.parse(**{name[2:].replace("-", "_"): value for name, value in given.items()})
+        # progress on stdout as it happens, so a run cut short still shows how far it got; stderr under --json
+        log = (lambda line: err.print(line, markup=False, highlight=False)) if json_output else \
+            (lambda line: print(line, flush=True))
+        records = bench.ModelBench(options, results=results, command=shlex.join(["kforge", *sys.argv[1:]]),
+                                   log=log).run()
+    if not records:
+        raise KforgeError(f"no records in {results}")
+    rows = bench.model_rows(records)
+    title = bench.model_title(records)
+    if json_output:
+        print_json({"title": title, "rows": rows})
+    else:
+        show(bench.model_view(rows, title=title, copy=records[-1].get("copy"),
+                              results_path=None if replot else str(results)))
+    save_chart_or_say(bench.save_model_chart, rows, chart, title=title)
 
 
 trace_app = typer.Typer(no_args_is_help=True, help="Step through an algorithm and print every intermediate.")

@@ -403,6 +403,8 @@ def results_markdown(root: Path) -> str:
                 lines += _bench_markdown(jsonl.stem, records)
             elif records and jsonl.stem == "bench-serving":
                 lines += _serving_markdown(records)
+            elif records and jsonl.stem == "bench-model":
+                lines += _model_markdown(records)
             elif records and jsonl.stem.startswith("suite-"):
                 lines += _suite_scores_markdown(jsonl.stem, records) + _records_markdown(jsonl.stem, records)[2:]
             elif records:
@@ -473,6 +475,24 @@ def _records_markdown(bench: str, records: list[dict]) -> list[str]:
     if commands:
         out += ["Commands:", "", "```", *commands, "```", ""]
     return out
+
+
+def _model_markdown(records: list[dict]) -> list[str]:
+    """`kforge bench model`'s rows: each method's time per step, tokens/s, share of the floor, ratios."""
+    from kforge.bench.model import model_rows, model_title
+
+    def cell(value, fmt):
+        return "-" if value is None else fmt.format(value)
+
+    out = [f"### bench-model: {model_title(records)}", "",
+           "| part | method | ms | tok/s | % of floor | vs compiled | vs transformers | vs our bf16 | notes |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in model_rows(records):
+        out.append(f"| {r.part} | {r.method} | {cell(r.ms, '{:.3f}')} | {cell(r.tok_s, '{:,.1f}')} | "
+                   f"{cell(r.pct_of_floor, '{:.1f}%')} | {cell(r.vs.get('compiled'), '{:.2f}x')} | "
+                   f"{cell(r.vs.get('transformers'), '{:.2f}x')} | {cell(r.vs.get('ours bf16'), '{:.2f}x')} | "
+                   f"{r.note.replace('|', '/')} |")
+    return out + ["", f"Command: `{records[-1]['command']}`", ""]
 
 
 def _bench_markdown(bench: str, records: list[dict]) -> list[str]:

@@ -52,13 +52,16 @@ def test_1b_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(models):
     assert our_err <= 1.25 * their_err and our_top1 >= their_top1 - 0.05, (our_err, our_top1, their_err, their_top1)
 
 
-def test_1b_greedy_tokens_are_fp32_transformers_top_choices(models):
-    """Each token our engine picks greedily (graphed decode steps) is among transformers' fp32
-    top 3 after the same prefix: bf16 may swap near-ties, never pick what fp32 ranks low."""
+def test_1b_greedy_tokens_are_fp32_transformers_greedy_at_first(models):
+    """Our engine's greedy tokens (graphed decode steps) are transformers' fp32 greedy tokens
+    for the first four, and every one is among its fp32 top 3 after the same prefix: bf16 may
+    swap near-ties later, never pick what fp32 ranks low. (On a CPU, the bf16 reference ops
+    agree for the first 13 of 16.)"""
     model, hf32, _ = models
     prompt = list(range(1000, 1032))
     ours = Engine(model, max_slots=1, max_context=256).generate([prompt], SamplingParams(max_tokens=16))[0]
     with torch.no_grad():
         logits = hf32(torch.tensor([prompt + ours], device="cuda")).logits[0]
     top3 = logits[len(prompt) - 1:len(prompt) - 1 + len(ours)].topk(3, dim=-1).indices.tolist()
+    assert [top[0] for top in top3[:4]] == ours[:4], (ours, top3)
     assert all(token in top for token, top in zip(ours, top3)), (ours, top3)

@@ -3,8 +3,9 @@
 A static KV cache (batch, kv_heads, max_context, head_dim) per layer, written in place at
 the step's positions; attention is SDPA over the whole cache under a mask that hides the
 positions not yet written; every op is a plain PyTorch op, so `torch.compile` sees the
-whole step and, with mode="max-autotune", captures decode as a CUDA graph. It shares the
-Llama's weights (bf16 tensors, no copy). `compiled_decode()` is what benchmarks time.
+whole step and, with mode="max-autotune" or "reduce-overhead", captures decode as a CUDA
+graph. It shares the Llama's weights (bf16 tensors, no copy). `compiled_decode()` and
+`compiled_prefill()` are what benchmarks time (`kforge bench model`).
 
 Batches are rectangular: every sequence of a batch is at the same position (gpt-fast's
 contract), which is what a fixed-shape benchmark needs and what continuous batching
@@ -42,9 +43,11 @@ class StaticCacheLlama(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Logits (batch, seq, vocab) in fp32 for tokens (batch, seq) at `positions` (seq,),
-        the same for every sequence of the batch; their K and V go into the cache."""
+        the same for every sequence of the batch; their K and V go into the cache. With
+        `last_only`, the last position's logits alone (batch, 1, vocab): a prefill that only
+        samples its next token need not pay for the head at every position."""
         c = self.config
         batch, seq = tokens.shape
         context = self.k_cache.shape[3]
@@ -62,8 +65,20 @@ class StaticCacheLlama(nn.Module):
             h = h + F.linear(out.transpose(1, 2).reshape(batch, seq, c.q_dim), block.wo)
             gate, up = F.linear(F.rms_norm(h, (c.dim,), block.ffn_norm, c.norm_eps), block.w_gate_up).chunk(2, -1)
             h = h + F.linear(F.silu(gate) * up, block.w_down)
+        if last_only:
+            h = h[:, -1:]
         return F.linear(F.rms_norm(h, (c.dim,), self.model.norm, c.norm_eps), self.model.head_weight()).float()
 
-    def compiled_decode(self):
-        """One decode step, (batch, 1) tokens at one position, compiled as gpt-fast compiles it."""
-        return torch.compile(self.forward, mode="max-autotune", fullgraph=True)
+    def compiled_decode(self, mode: str = "max-autotune"):
+        """One decode step, (batch, 1) tokens at one position, compiled as gpt-fast compiles it
+        (gpt-fast's own default is mode="reduce-overhead": CUDA graphs without autotuning).
+        The caches are marked static, so the CUDA graph writes them in place rather than
+        being skipped for mutating its inputs; shapes are static (one compilation per shape)."""
+        for cache in (self.k_cache, self.v_cache):
+            torch._dynamo.mark_static_address(cache)
+        return torch.compile(self.forward, mode=None if mode == "default" else mode, fullgraph=True, dynamic=False)
+
+    def compiled_prefill(self):
+        """A whole-prompt forward, compiled without CUDA graphs or autotuning (how gpt-fast
+        compiles its prefill, when asked to); call it with last_only=True to sample from it."""
+        return torch.compile(self.forward, fullgraph=True, dynamic=False)

@@ -3,6 +3,7 @@
     model, tokenizer = from_pretrained("path/to/Llama-3.2-1B")     # config.json, *.safetensors, tokenizer.json
     model = random_model("llama3-8b", seed=0)                       # any preset, no download, ever
     model = random_model("llama3-8b", weights="w4a16")              # or "fp8": quantized as it loads (quantize.py)
+    model = random_model("llama3-8b", device="cuda")                 # drawn on the GPU: seconds, not minutes
 
 A checkpoint directory holds `config.json` (a LlamaForCausalLM's), the weights as one
 `model.safetensors` or shards listed in `model.safetensors.index.json`, and optionally
@@ -27,11 +28,37 @@ from kforge.models.llama.quantize import check_format, quantize_model
 
 def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", weights: str = "bf16") -> Llama:
-    """`weights`: "bf16" (as `dtype`), "w4a16" or "fp8" (quantize.py; those need dtype bf16)."""
+    """`weights`: "bf16" (as `dtype`), "w4a16" or "fp8" (quantize.py; those need dtype bf16).
+
+    On the CPU the weights are `Llama.init_random`'s. On any other device they are drawn there,
+    by that device's generator, in `dtype`, with the same distribution (normal, std 0.02; norms 1):
+    the same for a seed on that kind of device, but not the CPU's values. Drawing 8B weights
+    with the CPU's generator in fp32 and copying them over takes minutes and 32 GB of host
+    memory; on a GPU it takes well under a second."""
     check_format(weights, dtype)
     config = preset(config) if isinstance(config, str) else config
-    model = Llama(config).init_random(seed)
-    return quantize_model(model.to(device=device, dtype=dtype).eval(), weights)
+    if torch.device(device).type == "cpu":
+        model = Llama(config).init_random(seed).to(dtype=dtype)
+    else:
+        model = _random_on_device(config, seed, dtype, torch.device(device))
+    return quantize_model(model.eval(), weights)
+
+
+def _random_on_device(config: LlamaConfig, seed: int, dtype: torch.dtype, device: torch.device,
+                      std: float = 0.02) -> Llama:
+    # shapes only: nothing allocated, nothing drawn on the host; a Llama holds parameters alone (its
+    # RoPE table is built at the first forward), so filling them below leaves nothing uninitialized
+    with torch.device("meta"):
+        model = Llama(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=generator)
+    return model
 
 
 def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
