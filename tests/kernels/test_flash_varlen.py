@@ -1,5 +1,6 @@
 """Variable-length FlashAttention: the Triton kernel under the interpreter (fp16, fp32) on
-packed ragged sequences (lengths 1, 0, tails, Nq != Nk, GQA 1/2/4, causal or not) against
+packed ragged sequences (lengths 1, 0, tails, Nq != Nk, GQA 1/2/4, causal top-left or
+bottom-right or not) against
 naive attention per sequence in float64, writing every row of its sequence and nothing
 else; packing changes no bit of any sequence's result; bad input refused; the custom op,
 its fallback, the eager reference and the benchmark's FLOP and byte counts. On a GPU:
@@ -34,7 +35,7 @@ def _packed(lens_q, lens_k, heads, kv_heads, dim, dtype, device="cpu", seed=0):
     return (*tensors, cumulative_seqlens(lens_q, device), cumulative_seqlens(lens_k, device))
 
 
-def _per_sequence_naive(q, k, v, cu_q, cu_k, causal, scale=None):
+def _per_sequence_naive(q, k, v, cu_q, cu_k, causal, scale=None, bottom_right=False):
     """Float64 (out, lse) in the packed layout: naive attention on each sequence alone; a
     sequence without keys gives zeros and -inf."""
     q, k, v = q.double(), k.double(), v.double()
@@ -44,7 +45,7 @@ def _per_sequence_naive(q, k, v, cu_q, cu_k, causal, scale=None):
     for (q0, q1), (k0, k1) in zip(zip(offsets_q, offsets_q[1:]), zip(offsets_k, offsets_k[1:])):
         if q1 > q0 and k1 > k0:
             o, s = naive_attention(*(t.transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1])),
-                                   causal=causal, scale=scale, return_lse=True)
+                                   causal=causal, scale=scale, return_lse=True, bottom_right=bottom_right)
             out[q0:q1], lse[:, q0:q1] = o[0].transpose(0, 1), s[0]
     return out, lse
 
@@ -112,6 +113,37 @@ def test_causal_is_top_left_aligned_within_each_sequence_as_sdpa():
         expected = F.scaled_dot_product_attention(*(t.double().transpose(0, 1) for t in (q[q0:q1], k[k0:k1], v[k0:k1])),
                                                   is_causal=True)
         torch.testing.assert_close(out[q0:q1].double(), expected.transpose(0, 1), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_bottom_right_causal_matches_float64_with_more_and_fewer_keys_than_queries(dtype):
+    # query i sees keys up to i + len_k - len_q: with 33 queries and 7 keys, the first 26 rows see none
+    lens_q, lens_k = [5, 33, 1, 20, 16], [40, 7, 20, 20, 48]
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 4, 2, 16, dtype, seed=5)
+    whole, out = _guarded_nan_output(q)
+    _, lse = flash_attention_varlen(q, k, v, cu_q, cu_k, 33, 48, causal=True, bottom_right=True, out=out,
+                                    config=SMALL)
+    assert whole[:2].isnan().all() and whole[-2:].isnan().all() and not out.isnan().any()
+    ref, ref_lse = _per_sequence_naive(q, k, v, cu_q, cu_k, True, bottom_right=True)
+    tol = _tolerance(dtype)
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[5:31], torch.zeros_like(out[5:31])) and lse[:, 5:31].eq(float("-inf")).all()
+
+
+def test_bottom_right_causal_is_a_continued_chunk_of_causal_self_attention():
+    # a prompt of 45 tokens whose last 13 come as a chunk after 32 cached ones: the chunk's rows
+    # of top-left causal self-attention over all 45 tokens
+    q, k, v, cu, _ = _packed([45], [45], 4, 1, 32, torch.float32, seed=6)
+    whole, _ = flash_attention_varlen(q, k, v, cu, cu, 45, 45, causal=True, config=SMALL)
+    chunk, _ = flash_attention_varlen(q[32:], k, v, cumulative_seqlens([13]), cu, 13, 45, causal=True,
+                                      bottom_right=True, config=SMALL)
+    torch.testing.assert_close(chunk, whole[32:], rtol=2e-6, atol=2e-6)
+    top_left, _ = flash_attention_varlen(q[32:], k, v, cumulative_seqlens([13]), cu, 13, 45, causal=True,
+                                         config=SMALL)
+    assert not torch.allclose(top_left, whole[32:]), "top-left alignment would let the chunk see too little"
+    same, _ = flash_attention_varlen(q, k, v, cu, cu, 45, 45, causal=True, bottom_right=True, config=SMALL)
+    assert torch.equal(same, whole), "with as many keys as queries the two alignments are one mask"
 
 
 @pytest.mark.slow
@@ -207,11 +239,14 @@ def test_op_passes_opcheck_and_its_fallback_matches_float64_per_sequence():
     q, k, v, cu_q, cu_k = _packed([0, 7, 1, 12], [3, 0, 9, 12], 4, 2, 16, torch.float64)
     for causal in (False, True):
         torch.library.opcheck(torch.ops.kforge.flash_attention_varlen.default,
-                              (q, k, v, cu_q, cu_k, 12, 12, causal, 0.3, True))
+                              (q, k, v, cu_q, cu_k, 12, 12, causal, 0.3, True, causal))
         out, lse = varlen_op(q, k, v, cu_q, cu_k, 12, 12, causal=causal, scale=0.3, return_lse=True)
         ref, ref_lse = _per_sequence_naive(q, k, v, cu_q, cu_k, causal, scale=0.3)
         torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)  # the op's lse is fp32
+    out = varlen_op(q, k, v, cu_q, cu_k, 12, 12, causal=True, scale=0.3, bottom_right=True)
+    ref, _ = _per_sequence_naive(q, k, v, cu_q, cu_k, True, scale=0.3, bottom_right=True)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="non-decreasing"):
         varlen_op(q, k, v, torch.tensor([0, 7, 5, 8, 20], dtype=torch.int32), cu_k, 12, 12)
 
@@ -260,6 +295,16 @@ def test_varlen_on_the_gpu_matches_float64(head_dim, causal, dtype):
         ref, ref_lse = _per_sequence_naive(q, k, v, cu_q, cu_k, causal)
         torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=1e-2 if dtype == torch.bfloat16 else 2e-3)
         torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_bottom_right_causal_on_the_gpu_matches_float64():
+    q, k, v, cu_q, cu_k = _packed(*CHUNKED, 32, 8, 128, torch.bfloat16, "cuda")
+    out, lse = flash_attention_varlen(q, k, v, cu_q, cu_k, max(CHUNKED[0]), max(CHUNKED[1]), causal=True,
+                                      bottom_right=True)
+    ref, ref_lse = _per_sequence_naive(q, k, v, cu_q, cu_k, True, bottom_right=True)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

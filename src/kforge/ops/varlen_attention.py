@@ -7,9 +7,10 @@ q is (total_q, heads, head_dim), k and v (total_k, kv_heads, head_dim) with kv_h
 dividing heads; sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and
 cu_seqlens_k[b]:cu_seqlens_k[b+1] of k and v (int32, (batch + 1,), from 0) and attends
 only to itself. Causal is top-left aligned per sequence (query i sees keys 0..i of its
-sequence, as SDPA's is_causal); a sequence with queries but no keys gives 0 (log-sum-exp
--inf). The output is (total_q, heads, head_dim); the optional log-sum-exp is fp32
-(heads, total_q).
+sequence, as SDPA's is_causal), or with `bottom_right=True` aligned to the last key (query i
+sees keys up to i + len_k - len_q, as flash-attn aligns it: a chunk that continues a cached
+prompt); a query row that sees no key gives 0 (log-sum-exp -inf). The output is
+(total_q, heads, head_dim); the optional log-sum-exp is fp32 (heads, total_q).
 
 A `torch.library` custom op: torch.compile sees one opaque node. Forward only (prefill):
 no autograd formula. The kernel runs for fp16/bf16/fp32 CUDA tensors on Hopper with
@@ -60,13 +61,13 @@ def ours_can_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int) 
     return kernel_limitation(q, k, v, batch) is None
 
 
-def _naive_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale):
+def _naive_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, bottom_right):
     out = q.new_empty(q.shape)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
         # with no keys, softmax over nothing @ v is 0 and logsumexp over nothing is -inf, as in our kernel
         o, s = naive_attention(*(_heads_first(t)[None] for t in (q[rows_q], k[rows_k], v[rows_k])),
-                               causal=causal, scale=scale, return_lse=True)
+                               causal=causal, scale=scale, return_lse=True, bottom_right=bottom_right)
         out[rows_q], lse[:, rows_q] = _heads_first(o[0]), s[0]
     return out, lse
 
@@ -83,19 +84,20 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 @torch.library.custom_op("kforge::flash_attention_varlen", mutates_args=())
 def _flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                            scale: float | None, check_lengths: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                            scale: float | None, check_lengths: bool, bottom_right: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     from kforge.kernels.attention.flash_varlen import check_varlen_inputs, flash_attention_varlen
 
     scale = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
                                 check_lengths=check_lengths)
     if ours_can_run(q, k, v, cu_seqlens_q.numel() - 1):
         return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      causal=causal, scale=scale, check_lengths=False)
-    return _naive_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale)
+                                      causal=causal, scale=scale, check_lengths=False, bottom_right=bottom_right)
+    return _naive_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, bottom_right)
 
 
 @_flash_attention_varlen.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, check_lengths):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, check_lengths, bottom_right):
     _check_shapes(q, k, v)
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
@@ -103,11 +105,12 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
 def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                            causal: bool = False, scale: float | None = None, return_lse: bool = False,
-                           check_lengths: bool = True):
+                           check_lengths: bool = True, bottom_right: bool = False):
     """Per sequence, softmax(q k^T * scale) v, packed as q: (total_q, heads, head_dim); with
     `return_lse`, also the fp32 log-sum-exp of each query row, (heads, total_q)."""
     out, lse = _flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                       bool(causal), None if scale is None else float(scale), bool(check_lengths))
+                                       bool(causal), None if scale is None else float(scale), bool(check_lengths),
+                                       bool(causal and bottom_right))
     return (out, lse) if return_lse else out
 
 

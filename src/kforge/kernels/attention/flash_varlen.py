@@ -79,7 +79,7 @@ MAX_SEQUENCES = 65535  # the grid's z dimension
 def flash_varlen_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k,
                         out_row_stride, out_head_stride, total_q, kv_group, qk_scale,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -97,9 +97,13 @@ def flash_varlen_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_q, 
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
+    # Bottom-right alignment shifts every query by len_k - len_q: query i sees keys up to
+    # i + len_k - len_q (a chunk continuing a cached prompt sees the whole prefix). Negative
+    # when there are fewer keys than queries: the first rows then see none.
+    shift = k_len - q_len if BOTTOM_RIGHT else 0
     if CAUSAL:  # within the sequence, as the dense kernel
-        hi = tl.minimum(start_m + BLOCK_M, k_len)
-        unmasked_hi = tl.minimum(start_m + 1, k_len) // BLOCK_N * BLOCK_N
+        hi = tl.maximum(tl.minimum(start_m + shift + BLOCK_M, k_len), 0)
+        unmasked_hi = tl.maximum(tl.minimum(start_m + shift + 1, k_len), 0) // BLOCK_N * BLOCK_N
     else:
         hi = k_len
         unmasked_hi = k_len // BLOCK_N * BLOCK_N
@@ -107,15 +111,20 @@ def flash_varlen_kernel(q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_q, 
     # the query rows too, so its causal test (query row >= key row) compares within the sequence.
     # Its length bound becomes the sequence's end, which masks off the next sequence's keys.
     k_end = k_start + k_len
-    acc, l_i, m_i = _key_blocks(acc, l_i, m_i, q, k_desc, v_desc, 0, kv_head, k_start + offs_m, k_start,
+    acc, l_i, m_i = _key_blocks(acc, l_i, m_i, q, k_desc, v_desc, 0, kv_head, k_start + shift + offs_m, k_start,
                                 k_start + unmasked_hi, k_end, qk_scale, BLOCK_N, HEAD_DIM, False, CAUSAL,
                                 DOT_PRECISION)
-    acc, l_i, m_i = _key_blocks(acc, l_i, m_i, q, k_desc, v_desc, 0, kv_head, k_start + offs_m,
+    acc, l_i, m_i = _key_blocks(acc, l_i, m_i, q, k_desc, v_desc, 0, kv_head, k_start + shift + offs_m,
                                 k_start + unmasked_hi, k_start + hi, k_end, qk_scale, BLOCK_N, HEAD_DIM, True,
                                 CAUSAL, DOT_PRECISION)
 
-    # l_i >= 1 for every row once the sequence has a key (each row sees its key 0); with no
-    # keys, acc = l_i = 0 and the row is 0, its log-sum-exp log(0) = -inf.
+    if BOTTOM_RIGHT:  # a row that sees no key ran its masked blocks on -inf - -inf = NaN: reset it
+        sees_a_key = offs_m + shift >= 0
+        acc = tl.where(sees_a_key[:, None], acc, 0.0)
+        l_i = tl.where(sees_a_key, l_i, 0.0)
+        m_i = tl.where(sees_a_key, m_i, float("-inf"))
+    # l_i >= 1 for every row that sees a key (top-left: each row sees its key 0); a row that
+    # sees none has acc = l_i = 0: its output is 0, its log-sum-exp log(0) = -inf.
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     in_sequence = offs_m < q_len
     rows = (q_start + offs_m).to(tl.int64)  # rows * row stride passes 2^31 at ~500k tokens of 32 x 128
@@ -221,7 +230,7 @@ def default_config(head_dim: int, dtype: torch.dtype) -> dict:
 def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                            causal: bool = False, scale: float | None = None, out: torch.Tensor | None = None,
-                           check_lengths: bool = True, config: dict | None = None
+                           check_lengths: bool = True, config: dict | None = None, bottom_right: bool = False
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, LSE) for packed sequences: q (total_q, H, d), k and v (total_k, Hkv, d), Hkv dividing H,
     sequence b in rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1]
@@ -231,7 +240,9 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     contiguous last dimension); LSE is fp32 (H, total_q), the natural log of each row's
     softmax denominator (flash-attn's varlen layout). `check_lengths=False` skips reading the
     cu_seqlens on the host (no sync, e.g. inside a CUDA graph): the caller then vouches for
-    them. `config` (BLOCK_M, BLOCK_N, num_warps, num_stages) replaces the default tile; the
+    them. `bottom_right` aligns the causal mask to the last key: query i of a sequence
+    sees keys up to i + len_k - len_q (flash-attn's convention since 2.1; the default is
+    SDPA's top-left). `config` (BLOCK_M, BLOCK_N, num_warps, num_stages) replaces the default tile; the
     CPU tests run small ones under the Triton interpreter.
     """
     scale = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
@@ -259,6 +270,7 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), out.stride(0), out.stride(1), total_q,
         heads // k.shape[1], scale * LOG2E,
         HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
+        BOTTOM_RIGHT=bool(causal and bottom_right),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 2))
     return out, lse

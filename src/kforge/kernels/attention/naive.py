@@ -15,10 +15,11 @@ import torch
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                    scale: float | None = None, return_lse: bool = False):
+                    scale: float | None = None, return_lse: bool = False, bottom_right: bool = False):
     """O (and with `return_lse` the log-sum-exp per query row) with the shapes and semantics
     of `flash_attention_forward`: q (B, H, Nq, d), k and v (B, Hkv, Nk, d) with Hkv
-    dividing H, causal top-left aligned as in SDPA.
+    dividing H, causal top-left aligned as in SDPA (`bottom_right`: query i sees keys up to
+    i + Nk - Nq, as flash-attn aligns it).
 
     Everything runs in the inputs' dtype, as eager code does: on a GPU in bf16, the scores
     and probabilities are bf16 matrices (the softmax computes in fp32 inside and rounds its
@@ -31,9 +32,13 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     scores = q @ k.transpose(-2, -1)
     scores.mul_(scale)
     if causal:
-        visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        shift = k.shape[-2] - q.shape[-2] if bottom_right else 0
+        visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(shift)
         scores.masked_fill_(~visible, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v
+    probs = torch.softmax(scores, dim=-1)
+    if causal and bottom_right and k.shape[-2] < q.shape[-2]:  # the first rows see no key: 0, as the kernel gives
+        probs[..., :q.shape[-2] - k.shape[-2], :] = 0
+    out = probs @ v
     if not return_lse:
         return out
     return out, torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)

@@ -19,10 +19,11 @@ quantized wqkv an unfused rms_norm first). On a CPU every op runs its PyTorch re
 the CPU tests run this very code. Logits are computed only for the rows that yield a token
 (a decode, or the last row of a prompt), in fp32.
 
-A continued chunk attends to its sequence's earlier tokens through the cache: those are
-gathered from the pages and attended with SDPA under a bottom-right causal mask. It is
-correct everywhere and slower than the packed kernel (kforge's varlen kernel is causal
-from the top-left only); prompts that fit one step never take it.
+A continued chunk attends to its sequence's earlier tokens through the cache: its K and V,
+appended first, are gathered from the pages with the prefix's, and the varlen kernel runs
+with the causal mask aligned bottom-right (query i of the chunk sees keys up to start + i).
+The gather is a copy of the sequence's cache per layer; prompts that fit one step never
+take it.
 
 `decode` is the same layers for a step of decodes alone, written so that a CUDA graph can
 capture it (graphs.py): its inputs are device tensors of fixed shape, and nothing in it
@@ -193,6 +194,10 @@ class Llama(nn.Module):
         before = torch.tensor([cache.lengths[s] for s in decodes], dtype=torch.int32, device=tables.device)
         starts = _offsets(n_dec, batch.chunks)
         chunk_lens = [torch.tensor([start], dtype=torch.int32, device=tables.device) for _, start, _ in batch.chunks]
+        # a continued chunk's queries and its whole sequence's keys, as one varlen sequence each
+        continued = {row: (cumulative_seqlens([length], tables.device),
+                           cumulative_seqlens([start + length], tables.device))
+                     for (_, start, length), row in zip(batch.chunks, starts) if start}
         # the chunks that start a sequence: one packed varlen call per layer, its rows and offsets built once
         fresh = [(row, length) for (_, start, length), row in zip(batch.chunks, starts) if start == 0]
         if fresh:
@@ -216,7 +221,10 @@ class Llama(nn.Module):
                 ops.paged_kv_append(k[rows].unsqueeze(0).contiguous(), v[rows].unsqueeze(0).contiguous(), k_pool,
                                     v_pool, tables[slot:slot + 1], before_chunk, validate=False)
                 if start:
-                    out[rows] = _continued_chunk(q[rows], *cache.gather(layer, slot, start + length), start)
+                    k_seq, v_seq = cache.gather(layer, slot, start + length)
+                    out[rows] = ops.flash_attention_varlen(q[rows], k_seq, v_seq, *continued[row], length,
+                                                           start + length, causal=True, bottom_right=True,
+                                                           check_lengths=False)
             if fresh:
                 out[fresh_rows] = ops.flash_attention_varlen(q[fresh_rows], k[fresh_rows], v[fresh_rows], fresh_cu,
                                                              fresh_cu, fresh_max, fresh_max, causal=True,
@@ -291,15 +299,3 @@ def _rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, table: torc
         apply_rope_(q, k, positions, table)
     else:
         rope_reference_(q, k, positions, table)
-
-
-def _continued_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Attention of a chunk's queries (n, heads, d) at positions start.. over its sequence's
-    keys 0..start+n-1 (gathered from the cache): query i sees keys up to start + i."""
-    n, heads = q.shape[0], q.shape[1]
-    groups = heads // k.shape[1]
-    keys = torch.arange(k.shape[0], device=q.device)
-    mask = keys[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(groups, 1).transpose(0, 1),
-                                         v.repeat_interleave(groups, 1).transpose(0, 1), attn_mask=mask)
-    return out.transpose(0, 1)
