@@ -20,7 +20,7 @@
 #            from KB_DIR, default .kb/KernelBench: carry it, it is not in the repository)
 #   identity-sample   (scripts/identity_sample.py on every 4th KernelBench problem of KB_LEVELS, default 1,2,3)
 #   judge-overhead   (scripts/judge_overhead.py against the tree in OLD_SRC; OVERHEAD_REPEATS, default 2)
-#   models   (the Llama engine's GPU tests, 1B shape against transformers; a kforge generate on llama3-1b)
+#   models   (the Llama engine's GPU tests: 1B against transformers, decode graphs, bottom-right varlen; a generate)
 #   bench-model   (kforge bench model on llama3-8b: decode, batch, trace, prefill; BENCH_MODEL_SECONDS, default 360)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -174,7 +174,9 @@ if [[ $parts == *" judge-overhead "* ]]; then
     "${OVERHEAD_REPEATS:-2}" 2>&1 | tee "$out/judge-overhead.txt"
 fi
 if [[ $parts == *" models "* ]]; then
-  python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/models 2>&1 | tail -20 | tee "$out/pytest-models-gpu.txt"
+  python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/models \
+    "tests/kernels/test_flash_varlen.py::test_bottom_right_causal_on_the_gpu_matches_float64" 2>&1 | tail -20 \
+    | tee "$out/pytest-models-gpu.txt"
   python3 -m kforge generate --model llama3-1b --prompt-ids 128000,791,6864,315,9822,374 --max-tokens 128 --json \
     2>&1 | tee "$out/generate-llama3-1b.json"
 fi
