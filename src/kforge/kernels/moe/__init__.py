@@ -1,10 +1,17 @@
 """Mixture-of-experts feed-forward layers: every expert's tokens in one launch per projection.
 
+- `gating.py`: the routers, logits to (top_k ids, weights): softmax (Mixtral) and
+  DeepSeek-V3's sigmoid with its selection bias and group limit; shared experts. A
+  PyTorch reference and a fused Triton kernel, a token a program.
 - `routing.py`: the routed (token, slot) pairs sorted by expert into one matrix of rows,
-  each expert's run padded to a multiple of the tile height (PyTorch, no host sync).
+  each expert's run padded to a multiple of the tile height, an optional capacity dropping
+  the overflow (PyTorch, no host sync; the reference of `dispatch.py`).
+- `dispatch.py`: that layout in Triton (histogram, scan, scatter) and the combine back to
+  tokens (a gather per token, deterministic); the per-expert loads (padding, utilization).
 - `grouped_gemm.py`: the Triton grouped GEMM over those rows, each row tile reading its
   expert's weight; SwiGLU fused into the gate/up projection, the routing weight and the
   scatter back to (token, slot) order fused into the down projection.
 - `ffn.py`: the layer, `moe_ffn(x, topk_ids, topk_weights, w13, w2)`: route, gather,
   two grouped GEMMs, sum each token's top_k rows.
+- `trace.py`: `kforge trace moe`, the per-expert table of a routing.
 """
