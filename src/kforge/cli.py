@@ -691,6 +691,58 @@ def trace_formats_command(
         show(render_format_error_table(rows))
 
 
+class MoeScoring(str, Enum):
+    softmax = "softmax"
+    sigmoid = "sigmoid"
+
+
+@trace_app.command("moe")
+def trace_moe_command(
+    logits: Path = typer.Argument(None, help="Router logits, (tokens, experts): a .pt (torch.save of a tensor) or "
+                                  ".npy file. Or --random.", show_default=False),
+    random: str = typer.Option(None, "--random", help="Random N(0, 1) logits of T tokens and E experts: T,E.",
+                               show_default=False),
+    seed: int = typer.Option(0, help="Seed of --random."),
+    top_k: int = typer.Option(2, "--top-k", min=1, help="Experts a token goes to."),
+    capacity_factor: float = typer.Option(None, "--capacity-factor", help="Cap each expert at ceil(factor * "
+                                          "tokens * top_k / experts) assignments, dropping the rest in token order "
+                                          "(default: no cap).", show_default=False),
+    align: int = typer.Option(128, min=1, help="Tile height: each expert's rows are padded to a multiple of it."),
+    gating: MoeScoring = typer.Option(MoeScoring.softmax, help="softmax (Mixtral) or sigmoid (DeepSeek-V3)."),
+    groups: int = typer.Option(1, min=1, help="sigmoid: expert groups (group-limited routing)."),
+    topk_groups: int = typer.Option(None, "--topk-groups", min=1, help="sigmoid: groups kept per token (default: "
+                                    "all).", show_default=False),
+    json_output: bool = typer.Option(False, "--json", help="Print the rows and totals as JSON instead of the table."),
+) -> None:
+    """Route tokens to experts and show what the grouped GEMM gets: per expert the
+    assignments routed, kept and dropped, its tiles, their padding rows and utilization."""
+    from kforge.kernels.moe.gating import Gating
+    from kforge.kernels.moe.trace import load_logits, random_logits, render_moe_trace, trace_moe
+
+    try:
+        if (logits is None) == (random is None):
+            raise ValueError("give a logits file or --random T,E (one of them)")
+        if random is not None:
+            try:
+                tokens, experts = (int(x) for x in random.split(","))
+            except ValueError:
+                raise ValueError(f"--random takes T,E (two integers), got {random!r}") from None
+            scores = random_logits(tokens, experts, seed)
+        else:
+            scores = load_logits(logits)
+        gate = Gating(gating.value, top_k, groups, topk_groups or groups)
+        trace = trace_moe(scores, gate, align, capacity_factor)
+    except ValueError as exc:
+        raise KforgeError(str(exc)) from None
+    if json_output:
+        total = trace.total._asdict()
+        del total["expert"]
+        print_json({"tokens": trace.tokens, "experts": trace.experts, "top_k": top_k, "align": align,
+                    "capacity": trace.capacity, "rows": trace.loads, "total": total})
+    else:
+        show(render_moe_trace(trace))
+
+
 def parse_trace_args(tokens: list[str]) -> tuple[list[list[float]], list[float] | None]:
     """`--tiles A B ...` (each a comma list of numbers) and `--values [LIST]` into numbers.
     Parsed by hand because --tiles takes any number of tiles and --values an optional list."""
@@ -940,6 +992,187 @@ def report_command(
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)
     err.print(f"wrote {output}", style="dim")
+
+
+WORKLOG_LAYOUT = ("FOLDER/problem.py (the reference, required); FOLDER/plan.md (the plan, written before any "
+                  "timing; optional, included verbatim); FOLDER/hand/*.py (your versions, each module docstring's "
+                  "first line saying why); FOLDER/hand.jsonl (their records: --evaluate appends the missing ones); "
+                  "FOLDER/machine.jsonl (the model's attempts: kforge machine ... --results FOLDER/machine.jsonl).")
+
+
+@app.command("worklog", help="Write FOLDER/worklog.md: you vs the machine on one problem, in five sections (the "
+             "problem and the plan; the by-hand versions; the model's attempt; the head-to-head; what each got "
+             "stuck on), with charts beside it, every figure read from the records. A worklog.md you wrote "
+             "yourself is never overwritten: the page goes to worklog.generated.md instead.\n\n"
+             f"Layout: {WORKLOG_LAYOUT}\n\n"
+             "Exit status: 0 written; 2 an unusable input (no problem.py) or a usage error; 3 a bug in kforge.")
+def worklog_command(
+    folder: Path = typer.Argument(..., help="The worklog folder (layout above).", show_default=False),
+    evaluate: bool = typer.Option(False, "--evaluate", help="First evaluate, as `kforge eval` does, each hand/*.py "
+                                  "that hand.jsonl has no record of on this machine's device (this content, this "
+                                  "problem.py), appending each record."),
+    time_budget: float = typer.Option(10.0, min=0.1, help="--evaluate: seconds of timed rounds per version at most."),
+    device: str = typer.Option(None, "--device", help="Report the records of this device (its name as the records "
+                               "give it; default: the device of the newest record).", show_default=False),
+) -> None:
+    from kforge.machine.worklog import evaluate_hand, problem_path, write_worklog
+
+    problem_path(folder)  # no problem.py: one error line before anything runs
+    if evaluate:
+        from kforge.device import current_device
+        from kforge.harness.timing import TimingConfig
+
+        here = current_device().name
+        with working(f"evaluating the hand versions in {folder}") as progress:
+            records = evaluate_hand(folder, here, timing=TimingConfig(budget_s=time_budget),
+                                    command=shlex.join(["kforge", *sys.argv[1:]]),
+                                    on_file=lambda path: progress.update(progress.task_ids[0],
+                                                                         description=f"evaluating {path.name}"))
+        for record in records:
+            speedup = f" {record.speedup:.3f}x" if record.speedup is not None else ""
+            err.print(f"evaluated {record.candidate['name']}.py on {here}: {record.status}{speedup}",
+                      markup=False, highlight=False)
+    written = write_worklog(folder, device)
+    for note in written.notes:
+        err.print(f"[bold yellow]note:[/] {escape(note)}", highlight=False)
+    if written.fallback:
+        err.print(f"note: {folder / 'worklog.md'} was not written by kforge, so it is left as it is",
+                  markup=False, highlight=False)
+    for chart in written.charts:
+        err.print(f"chart saved to {chart}", style="dim", highlight=False)
+    err.print(f"wrote {written.path}", style="dim", highlight=False)
+
+
+class MachineBackend(str, Enum):
+    triton = "triton"
+    cuda = "cuda"
+
+
+@app.command("machine")
+def machine_command(
+    problem: Path = typer.Argument(..., help="Problem file: Model, get_inputs(), get_init_inputs()."),
+    base_url: str = typer.Option(None, "--base-url", help="An OpenAI-compatible endpoint, e.g. "
+                                 "http://localhost:8000/v1 (default: the openai client's, $OPENAI_BASE_URL or "
+                                 "OpenAI's).", show_default=False),
+    model: str = typer.Option(None, "--model", help="The model to ask (needed unless --manual).",
+                              show_default=False),
+    api_key_env: str = typer.Option("OPENAI_API_KEY", "--api-key-env", help="Environment variable holding the API "
+                                    "key (unset: 'EMPTY', for local servers)."),
+    backend: MachineBackend = typer.Option(MachineBackend.triton, help="What the model writes: Triton kernels, or "
+                                           "CUDA C++ compiled by kforge's runtime."),
+    samples: int = typer.Option(1, min=1, help="Independent samples (k of pass@k)."),
+    turns: int = typer.Option(3, min=1, help="Turns per sample at most: each turn sees the previous one's feedback."),
+    temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature."),
+    max_tokens: int = typer.Option(8192, min=1, help="Tokens per reply at most."),
+    request_timeout: float = typer.Option(600.0, min=1.0, help="Seconds a request may take before it is retried."),
+    manual: Path = typer.Option(None, "--manual", help="No endpoint: write each prompt to DIR/<attempt>.prompt.md "
+                                "and read the reply from DIR/<attempt>.reply.md once it is there.",
+                                show_default=False),
+    keep_going: bool = typer.Option(False, "--keep-going", help="Go on after a sample passed (for a faster kernel)."),
+    gpus: str = typer.Option(None, help="GPUs to judge on, e.g. 0,1: one evaluation on each at a time. "
+                             "Default: every visible GPU, or the CPU where there is none.", show_default=False),
+    results: Path = typer.Option(None, help="JSONL store of the attempts (default: machine-<problem>.jsonl in "
+                                 "$KFORGE_RESULTS_DIR, else in ./kforge-results/).", show_default=False),
+    time_budget: float = typer.Option(10.0, min=0.1, help="Seconds of timed rounds per evaluation at most."),
+    stage_timeout: float = typer.Option(None, min=1.0, help=STAGE_TIMEOUT_HELP, show_default=False),
+    force: bool = typer.Option(False, help="Ask and judge again the attempts the store has (appended; the latest "
+                               "counts)."),
+) -> None:
+    """A language model writes kernels for PROBLEM; kforge judges each one as `kforge eval` does.
+
+    Each sample is a conversation: the prompt (the reference, the backend, the device and
+    the problem's roofline floor), a reply, its one code block judged in isolated workers,
+    then feedback (the error, gate 1's errors, gate 2's verdict, the static flags) for the
+    next turn. Prints each attempt and pass@k / fast_1@k. Running the same command again
+    skips the attempts the store has. Exit status 0 when a sample passed both gates (or,
+    with --manual, when replies are still to be written), 1 when none did, 2 an unusable
+    input or an endpoint that gave no reply, 3 a bug in kforge. See docs/machine.md.
+    """
+    from kforge.device import current_device
+    from kforge.harness.roofline import ceilings_path, get_ceilings
+    from kforge.harness.timing import TimingConfig
+    from kforge.machine.client import EndpointClient, ManualClient
+    from kforge.machine.loop import AttemptStore, Settings, run_machine, scores
+    from kforge.machine.prompt import first_messages, problem_facts
+
+    if manual is not None and base_url is not None:
+        raise KforgeError("--manual and --base-url contradict each other: choose one")
+    if manual is None and not model:
+        raise KforgeError("give --model (the model the endpoint serves), or --manual DIR")
+    slots, device_name = _slots(gpus)
+    device = current_device()
+    facts = problem_facts(problem, device)
+    results = results or default_results(f"machine-{facts.name}.jsonl")
+    measuring = not ceilings_path(device).is_file()
+    if measuring and not show_progress() and not _quiet:  # a line for logs, else a spinner
+        err.print(f"measuring the ceilings of {device.name} ...", style="dim")
+    with working(f"measuring the ceilings of {device.name}", not measuring):
+        ceilings = get_ceilings(device)
+    messages = first_messages(facts, device, ceilings, backend.value)
+    settings = Settings(problem=problem, backend=backend.value, model=model or "manual", samples=samples,
+                        turns=turns, temperature=temperature, max_tokens=max_tokens, keep_going=keep_going,
+                        force=force)
+    if manual is not None:
+        client = ManualClient(manual)
+    else:
+        client = EndpointClient(base_url, model, api_key_env=api_key_env, temperature=temperature,
+                                max_tokens=max_tokens, request_timeout=request_timeout)
+    options = dict(timing=TimingConfig(budget_s=time_budget), limits=stage_limits(stage_timeout, time_budget),
+                   ceilings=ceilings, command=shlex.join(["kforge", *sys.argv[1:]]))
+
+    def said(attempt: dict) -> None:
+        if not _quiet:
+            err.print(f"{attempt['id']}: {attempt['status']}" + (f": {attempt['reason']}" if attempt["reason"]
+                                                                  else ""), markup=False, highlight=False)
+
+    with _store_warnings():
+        run = run_machine(settings, client, AttemptStore(results), facts=facts, messages=messages, slots=slots,
+                          device_name=device_name, options=options, on_attempt=said)
+        found = scores(run.attempts)
+    if run.attempts:
+        show(_machine_view(run, found, results))
+    for waiting in run.waiting:
+        print(f"waiting: write the reply to {waiting.reply} (the prompt is {waiting.prompt}), then run the same "
+              "command again")
+    if run.failures:
+        more = f" (and {len(run.failures) - 1} more; the store keeps them, and running again asks again)" \
+            if len(run.failures) > 1 else " (the store keeps it, and running again asks again)"
+        raise KforgeError(f"the endpoint gave no reply: {run.failures[0]}{more}")
+    if run.waiting:
+        raise typer.Exit(0)
+    raise typer.Exit(0 if any(a["status"] == "passed" for a in run.attempts) else 1)
+
+
+def _machine_view(run, found, results: Path):
+    """The attempts of a `kforge machine` run, one row per turn, then pass@k and fast_1@k."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"kforge machine  {run.run}", title_justify="left")
+    for column in ("sample", "turn", "status", "speedup (95% interval)", "% of roof", "flags", "reason"):
+        table.add_column(column, justify="right" if column in ("sample", "turn", "% of roof") else "left")
+    for attempt in run.attempts:
+        record = attempt.get("record") or {}
+        gate2, roof = record.get("gate2") or {}, record.get("roofline") or {}
+        verdict = gate2.get("verdict") or {}
+        speedup = "-" if gate2.get("speedup") is None else f"{gate2['speedup']:.3g}x" + (
+            f" ({verdict['low']:.3g}-{verdict['high']:.3g})" if verdict.get("low") is not None
+            and verdict.get("high") is not None else "")
+        pct = (roof.get("candidate") or {}).get("pct_of_roof")
+        flags = ", ".join(sorted({f["code"] for f in attempt["static_flags"]})) or "-"
+        reason = attempt["reason"] or ""
+        table.add_row(str(attempt["sample"]), str(attempt["turn"]),
+                      Text(attempt["status"], style="bold green" if attempt["status"] == "passed" else None),
+                      speedup, "-" if pct is None else f"{pct:.1f}%", flags,
+                      reason if len(reason) <= 60 else reason[:59] + "…")
+    lines = [table]
+    if found.samples:
+        at = "   ".join(f"pass@{k} {found.pass_at[k]:.2f}" for k in found.pass_at)
+        fast = "   ".join(f"fast_1@{k} {found.fast_1_at[k]:.2f}" for k in found.fast_1_at)
+        lines.append(Text(f"{found.samples} sample(s): {found.correct} correct, {found.fast} faster   {at}   {fast}"))
+    lines.append(Text(f"{run.ran} new attempt(s); the attempts are in {results}", style="dim"))
+    return Group(*lines)
 
 
 def main() -> None:
