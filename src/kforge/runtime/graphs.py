@@ -135,26 +135,38 @@ class GraphedCall:
         """Capture fn on clones of `inputs` on a side stream (capture refuses the default stream).
         Nothing runs during a capture; the first replay is the next call's."""
         device = inputs[0].device
-        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle()
         with torch.no_grad():
             static_inputs = tuple(t.clone() for t in inputs)
-        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)), torch.no_grad():
-            try:
-                # thread_local: an unsafe call from this thread fails the capture; other threads are left alone
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                try:
-                    static_output = self.fn(*static_inputs)
-                except BaseException:
-                    with contextlib.suppress(Exception):  # fn's exception is the one to report
-                        graph.capture_end()
-                    raise
-                graph.capture_end()
-            except BaseException:
-                _stop_allocating_to(pool, device.index)
-                raise
+        with torch.cuda.device(device):
+            graph, static_output = capture_graph(lambda: self.fn(*static_inputs), pool=pool,
+                                                 stream=torch.cuda.Stream(device), device_index=device.index)
         if not isinstance(static_output, torch.Tensor):
             raise TypeError(f"fn must return one tensor to be graphed, it returned {type(static_output).__name__}")
         return _Captured(graph, static_inputs, static_output)
+
+
+def capture_graph(fn: Callable[[], object], *, pool, stream: torch.cuda.Stream, device_index: int
+                  ) -> tuple[torch.cuda.CUDAGraph, object]:
+    """fn's launches captured into a new graph on `stream` (capture refuses the default
+    stream), its allocations in `pool`, and fn's return value. If the capture fails, the
+    pool's allocator bookkeeping is mended (`_stop_allocating_to`) and the error raised."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.no_grad():
+        try:
+            # thread_local: an unsafe call from this thread fails the capture; other threads are left alone
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                output = fn()
+            except BaseException:
+                with contextlib.suppress(Exception):  # fn's exception is the one to report
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        except BaseException:
+            _stop_allocating_to(pool, device_index)
+            raise
+    return graph, output
 
 
 def _stop_allocating_to(pool, device_index: int) -> None:

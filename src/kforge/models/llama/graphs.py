@@ -51,13 +51,12 @@ step eagerly: the path the CPU tests compare with the unpadded forward.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import warnings
 
 import torch
 
 from kforge.models.llama.model import KVCache, Llama
-from kforge.runtime.graphs import _stop_allocating_to
+from kforge.runtime.graphs import capture_graph
 
 
 def decode_buckets(max_batch: int) -> tuple[int, ...]:
@@ -147,20 +146,10 @@ class DecodeGraphs:
         self._inputs[bucket].copy_(self._padding(bucket))
         self._step(bucket)
         torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.stream(self._stream):
-                # thread_local: an unsafe call from this thread fails the capture; other threads (a server's) are left alone
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    self._step(bucket)
-                except BaseException:
-                    with contextlib.suppress(Exception):  # the step's exception is the one to report
-                        graph.capture_end()
-                    raise
-                graph.capture_end()
+            graph, _ = capture_graph(lambda: self._step(bucket), pool=self._pool, stream=self._stream,
+                                     device_index=self.device.index)
         except Exception as error:  # noqa: BLE001  (whatever stops a capture, the step still runs, eagerly)
-            _stop_allocating_to(self._pool, self.device.index)
             warnings.warn(f"decode steps of {bucket} rows cannot be captured as a CUDA graph "
                           f"({type(error).__name__}: {error}); they run eagerly", RuntimeWarning, stacklevel=3)
             return None
