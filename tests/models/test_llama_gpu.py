@@ -1,11 +1,11 @@
 """The Llama engine on the GPU, on kforge's kernels: the 1B shape in bf16 against transformers
 with the same (random) weights.
 
-bf16 is not a reference: on these random weights transformers' own bf16 logits are ~5%
-(relative L2) from its fp32 logits and agree on the top token only ~90% of the time (CPU,
-200 tokens). So both bf16 models are judged against transformers in fp32, and ours must be
-no further from it than transformers' bf16 is (with a 25% margin); the architecture itself
-matches in fp32 to ~3e-6 (the CPU tests)."""
+bf16 is not a reference: on these random weights transformers' own bf16 logits are several
+% (relative L2) from its fp32 logits and miss its top token at some positions. So both bf16
+models are judged against transformers in fp32, and ours must be no further from it than
+transformers' bf16 is (with a 25% margin); the architecture itself matches in fp32 within
+1e-4 (the CPU tests, tiny checkpoint)."""
 
 import pytest
 import torch
@@ -55,8 +55,7 @@ def test_1b_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(models):
 def test_1b_greedy_tokens_are_fp32_transformers_greedy_at_first(models):
     """Our engine's greedy tokens (graphed decode steps) are transformers' fp32 greedy tokens
     for the first four, and every one is among its fp32 top 3 after the same prefix: bf16 may
-    swap near-ties later, never pick what fp32 ranks low. (On a CPU, the bf16 reference ops
-    agree for the first 13 of 16.)"""
+    swap near-ties later, never pick what fp32 ranks low."""
     model, hf32, _ = models
     prompt = list(range(1000, 1032))
     ours = Engine(model, max_slots=1, max_context=256).generate([prompt], SamplingParams(max_tokens=16))[0]
