@@ -22,6 +22,7 @@
 #   judge-overhead   (scripts/judge_overhead.py against the tree in OLD_SRC; OVERHEAD_REPEATS, default 2)
 #   models   (the Llama engine's GPU tests: 1B against transformers, decode graphs, bottom-right varlen; a generate)
 #   bench-model   (kforge bench model on llama3-8b: decode, batch, trace, prefill; BENCH_MODEL_SECONDS, default 360)
+#   moe   (the MoE family's GPU tests: routers, dispatch and combine)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
@@ -179,6 +180,10 @@ if [[ $parts == *" models "* ]]; then
     | tee "$out/pytest-models-gpu.txt"
   python3 -m kforge generate --model llama3-1b --prompt-ids 128000,791,6864,315,9822,374 --max-tokens 128 --json \
     2>&1 | tee "$out/generate-llama3-1b.json"
+fi
+if [[ $parts == *" moe "* ]]; then
+  python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_moe_gating.py tests/kernels/test_moe_dispatch.py \
+    tests/kernels/test_moe.py 2>&1 | tail -20 | tee "$out/pytest-moe-gpu.txt"
 fi
 if [[ $parts == *" bench-model "* ]]; then
   timeout 540 python3 -m kforge bench model --model llama3-8b --parts decode,batch,trace,prefill \
