@@ -1,6 +1,7 @@
 """The gpt-fast-style baseline computes what transformers computes (CPU, fp32, uncompiled):
 the benchmarks' baseline must be the same model, not a cheaper one."""
 
+import pytest
 import torch
 
 from kforge.models.llama import from_pretrained
@@ -24,7 +25,16 @@ def test_unwritten_cache_positions_are_never_attended(checkpoint):
     folder, hf = checkpoint
     model, _ = from_pretrained(folder, dtype=torch.float32)
     baseline = StaticCacheLlama(model, max_batch=1, max_context=32)
-    baseline.k_cache.fill_(1e4)  # garbage past the written positions would swamp the softmax
-    baseline.v_cache.fill_(1e4)
+    for layer in baseline.caches:  # garbage past the written positions would swamp the softmax
+        layer.k.fill_(1e4)
+        layer.v.fill_(1e4)
     seq = torch.tensor([[1, 5, 6, 7]])
     assert torch.allclose(baseline(seq, torch.arange(4)), hf(seq).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_batch_other_than_the_cache_is_refused(checkpoint):
+    folder, _ = checkpoint
+    model, _ = from_pretrained(folder, dtype=torch.float32)
+    baseline = StaticCacheLlama(model, max_batch=2, max_context=32)
+    with pytest.raises(ValueError, match="exactly 2"):
+        baseline(torch.tensor([[1, 5]]), torch.arange(2))

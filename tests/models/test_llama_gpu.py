@@ -52,15 +52,23 @@ def test_1b_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(models):
     assert our_err <= 1.25 * their_err and our_top1 >= their_top1 - 0.05, (our_err, our_top1, their_err, their_top1)
 
 
-def test_1b_greedy_tokens_are_fp32_transformers_greedy_at_first(models):
-    """Our engine's greedy tokens (graphed decode steps) are transformers' fp32 greedy tokens
-    for the first four, and every one is among its fp32 top 3 after the same prefix: bf16 may
-    swap near-ties later, never pick what fp32 ranks low."""
+def test_1b_greedy_tokens_are_fp32_transformers_greedy_up_to_near_ties(models):
+    """Our engine's greedy tokens (an eager prefill, then graphed decode steps) against
+    transformers in fp32 after the same prefix. Random weights make near-ties common (logits
+    of std 0.9 over 128k tokens: the top four can sit within 0.03, and transformers' own bf16
+    picks another token there), and ours are ~0.02 off in logit units (2% relative L2). So:
+    every token we pick has an fp32 logit within NEAR_TIE of fp32's best, and wherever fp32's
+    best leads its runner-up by more than NEAR_TIE, we pick it."""
+    near_tie = 0.1  # five times our logit error
     model, hf32, _ = models
-    prompt = list(range(1000, 1032))
-    ours = Engine(model, max_slots=1, max_context=256).generate([prompt], SamplingParams(max_tokens=16))[0]
-    with torch.no_grad():
-        logits = hf32(torch.tensor([prompt + ours], device="cuda")).logits[0]
-    top3 = logits[len(prompt) - 1:len(prompt) - 1 + len(ours)].topk(3, dim=-1).indices.tolist()
-    assert [top[0] for top in top3[:4]] == ours[:4], (ours, top3)
-    assert all(token in top for token, top in zip(ours, top3)), (ours, top3)
+    for prompt in (list(range(1000, 1032)), list(range(5000, 5077))):
+        ours = Engine(model, max_slots=1, max_context=256).generate([prompt], SamplingParams(max_tokens=24))[0]
+        with torch.no_grad():
+            logits = hf32(torch.tensor([prompt + ours], device="cuda")).logits[0].float()
+        steps = logits[len(prompt) - 1:len(prompt) - 1 + len(ours)]
+        best, picked = steps.topk(2, dim=-1), steps.gather(1, torch.tensor(ours, device="cuda")[:, None])[:, 0]
+        behind = (best.values[:, 0] - picked).tolist()
+        assert max(behind) <= near_tie, (prompt[0], ours, behind)
+        decisive = (best.values[:, 0] - best.values[:, 1] > near_tie).tolist()
+        assert sum(decisive) >= len(ours) // 3, (prompt[0], decisive)  # the check below must have cases to check
+        assert all(t == b for t, b, d in zip(ours, best.indices[:, 0].tolist(), decisive) if d), (prompt[0], ours)
