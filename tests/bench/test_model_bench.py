@@ -192,7 +192,7 @@ def test_rows_table_and_chart_from_records(tmp_path):
     ({"sizes": "promt=4"}, "unknown key 'promt'"),
     ({"sizes": "trace_prompt=9:3"}, "low end above its high end"),
     ({"sizes": "steps=0"}, "steps must be positive"),
-    ({"model": "tiny"}, "decode needs prompt + warmup + steps + 1 = 649 positions; the model has 512"),
+    ({"model": "tiny"}, "decode needs prompt + warmup + steps + 1 = 777 positions; the model has 512"),
     ({"model": "tiny", "parts": "batch", "sizes": "context=40"}, "leaves no prompt"),
     ({"compile_mode": "fast"}, "--compile-mode: 'fast'"),
     ({"max_seconds": 0}, "--max-seconds must be positive"),

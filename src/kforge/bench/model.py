@@ -69,7 +69,7 @@ class Sizes:
     """What each part runs; `--sizes key=value,...` overrides any of these."""
 
     prompt: int = 512  # decode: prompt tokens prefilled before the decode steps
-    steps: int = 128  # decode: timed steps
+    steps: int = 256  # decode: timed steps (256 new tokens after the 512-token prompt)
     warmup: int = 8  # untimed steps before every timed loop (compilation, CUDA graph capture)
     batch: int = 64  # batch: sequences decoding at once
     context: int = 4096  # batch: tokens per sequence at the end of the timed steps
