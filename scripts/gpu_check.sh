@@ -22,7 +22,9 @@
 #   judge-overhead   (scripts/judge_overhead.py against the tree in OLD_SRC; OVERHEAD_REPEATS, default 2)
 #   models   (the Llama engine's GPU tests: 1B against transformers, decode graphs, bottom-right varlen; a generate)
 #   bench-model   (kforge bench model on llama3-8b: decode, batch, trace, prefill; BENCH_MODEL_SECONDS, default 360)
-#   moe   (the MoE family's GPU tests: routers, dispatch and combine)
+#   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
+#   fp8-gemv   (the FP8 decode GEMV's GPU tests, and the engine's FP8 decode through it)
+#   deepseek   (chain speculative sampling and MLA decode on the GPU)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
@@ -183,10 +185,18 @@ if [[ $parts == *" models "* ]]; then
 fi
 if [[ $parts == *" moe "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_moe_gating.py tests/kernels/test_moe_dispatch.py \
-    tests/kernels/test_moe.py 2>&1 | tail -20 | tee "$out/pytest-moe-gpu.txt"
+    tests/kernels/test_moe.py tests/kernels/test_moe_grouped_gemm.py 2>&1 | tail -20 | tee "$out/pytest-moe-gpu.txt"
+fi
+if [[ $parts == *" fp8-gemv "* ]]; then
+  python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_fp8_gemv.py tests/models/test_decode_graphs.py \
+    -k "fp8 or gemv" 2>&1 | tail -15 | tee "$out/pytest-fp8-gemv-gpu.txt"
+fi
+if [[ $parts == *" deepseek "* ]]; then
+  python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_speculative_sampling.py \
+    tests/kernels/test_mla_decode.py 2>&1 | tail -8 | tee "$out/pytest-deepseek-gpu.txt"
 fi
 if [[ $parts == *" bench-model "* ]]; then
-  timeout 540 python3 -m kforge bench model --model llama3-8b --parts decode,batch,trace,prefill \
+  timeout 540 python3 -m kforge bench model --model llama3-8b --parts "${BENCH_MODEL_PARTS:-decode,batch,trace,prefill}" \
     --compile-mode reduce-overhead --max-seconds "${BENCH_MODEL_SECONDS:-360}" --results "$out/bench-model.jsonl" 2>&1 \
     | tee "$out/bench-model.txt"
 fi

@@ -26,9 +26,15 @@ H100_BF16_FLOPS, H100_BYTES_PER_S = 600e12, 3.0e12  # the issue's planning rates
 ONE_ROUND = TimingConfig(warmup_s=0.0, min_warmup_calls=1, min_reps=1, min_time_s=0.0, budget_s=0.01)
 
 
-def test_the_six_blocks_each_have_a_solution():
+# DeepSeek-V3's 257 experts are 22.6 GB of bf16 weights, read once (bytes_moved) and held once
+# by the reference and once by the solution: the blocks' 20 GB bound does not fit them.
+MEMORY_LIMIT = {"moe_deepseek_v3_decode_bf16": 48e9, "moe_deepseek_v3_prefill_bf16": 48e9}
+
+
+def test_the_eight_blocks_each_have_a_solution():
     assert NAMES == ["gpt_small_bf16", "llama_decoder_decode_bf16", "llama_decoder_prefill_bf16", "mlp_stack_bf16",
-                     "moe_ffn_bf16", "vit_block_bf16"]
+                     "moe_deepseek_v3_decode_bf16", "moe_deepseek_v3_prefill_bf16", "moe_ffn_bf16",
+                     "vit_block_bf16"]
     assert all((SOLUTIONS / f"{name}.py").is_file() for name in NAMES)
 
 
@@ -46,7 +52,7 @@ def test_metadata_and_full_size_figures(name):
     assert flops > 0 and moved > 0
     assert max(flops / H100_BF16_FLOPS, moved / H100_BYTES_PER_S) >= 100e-6, (flops, moved)
     input_bytes = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
-    assert input_bytes + moved < 20e9  # bytes_moved counts the weights once
+    assert input_bytes + moved < MEMORY_LIMIT.get(name, 20e9)  # bytes_moved counts the weights once
 
 
 def test_mlp_stack_figures_by_hand():
@@ -78,5 +84,5 @@ def test_solution_passes_gate_1_at_full_size_on_the_gpu(name, gpu_ceilings):
     assert record.problem["size"] == "full"
     assert record.gate1 and record.gate1["passed"], record.reason
     assert record.status in ("passed", "tie", "slower"), (record.status, record.reason, record.defences)
-    assert torch.cuda.max_memory_allocated() < 20e9
+    assert torch.cuda.max_memory_allocated() < MEMORY_LIMIT.get(name, 20e9)
     print(f"{name}: {record.speedup:.3f}x eager, gate 1 max abs err {record.gate1['max_abs_err']:.3g}")

@@ -7,8 +7,18 @@ an optional capacity) and `moe_combine` (expert outputs back to tokens, weighted
     layout = moe_dispatch(ids, w, num_experts=256, align=128, capacity=cap)
     y = moe_combine(expert_out, layout.slots, w)               # expert_out: (layout.rows, H)
 
-`torch.library` custom ops (`kforge::moe_gate`, `kforge::moe_dispatch`, `kforge::moe_combine`)
-with fake implementations, so torch.compile sees three opaque nodes; inference only. On a
+and the grouped GEMMs in DeepGEMM's two layouts (`kforge::grouped_gemm`, bf16/fp16/fp32 or
+FP8 e4m3 with 1 x 128 / 128 x 128 block scales, plain or with SwiGLU fused):
+
+    out = grouped_gemm_contiguous(x, w, m_indices)              # x [M, K], a group a row, -1 padding
+    out = grouped_gemm_masked(x, w, masked_m, gated=True)       # x [E, max_m, K], masked_m[e] rows valid
+    out = grouped_gemm_contiguous(xq, wq, m_indices, x_scale=xs, w_scale=ws)   # FP8, bf16 out
+
+`torch.library` custom ops (`kforge::moe_gate`, `kforge::moe_dispatch`, `kforge::moe_combine`,
+`kforge::grouped_gemm`) with fake implementations, so torch.compile sees opaque nodes; inference
+only. The grouped GEMMs run `kernels/moe/grouped_gemm.grouped_gemm_layout` on a CUDA device and
+its fp32 reference elsewhere (rows the kernel leaves unwritten are zeros there; on the GPU they
+are whatever the allocation held). On a
 CUDA device they run the Triton kernels of `kforge.kernels.moe.gating` and `.dispatch`;
 anything else (the CPU) runs their PyTorch references (`gating_reference`,
 `routing.sort_by_expert`, `combine_reference`), which the kernels match bit for bit (the
@@ -22,6 +32,7 @@ import torch
 
 from kforge.kernels.moe.dispatch import check_combine, combine_reference
 from kforge.kernels.moe.gating import Gating, check_gating, gating_reference, kernel_limitation
+from kforge.kernels.moe.grouped_gemm import ROW_ALIGN, check_layout_inputs, grouped_gemm_layout_reference
 from kforge.kernels.moe.routing import ExpertRows, check_routing, padded_rows, sort_by_expert
 
 
@@ -114,3 +125,42 @@ def moe_combine(expert_out: torch.Tensor, slots: torch.Tensor, topk_weights: tor
     topk_weights=None when the grouped GEMM has applied them."""
     check_combine(expert_out, slots, topk_weights)
     return _moe_combine(expert_out, slots, topk_weights, out_dtype or expert_out.dtype)
+
+
+@torch.library.custom_op("kforge::grouped_gemm", mutates_args=())
+def _grouped_gemm(x: torch.Tensor, weight: torch.Tensor, groups: torch.Tensor, x_scale: torch.Tensor | None,
+                  w_scale: torch.Tensor | None, layout: str, gated: bool, align: int) -> torch.Tensor:
+    if x.is_cuda:
+        from kforge.kernels.moe.grouped_gemm import grouped_gemm_layout
+
+        return grouped_gemm_layout(x, weight, groups, layout, gated=gated, x_scale=x_scale, w_scale=w_scale,
+                                   align=align)
+    out_dtype = torch.bfloat16 if x.dtype == torch.float8_e4m3fn else x.dtype
+    return grouped_gemm_layout_reference(x, weight, groups, layout, gated=gated, x_scale=x_scale, w_scale=w_scale,
+                                         dtype=torch.float32, fill=0.0).to(out_dtype)
+
+
+@_grouped_gemm.register_fake
+def _(x, weight, groups, x_scale, w_scale, layout, gated, align):
+    n = weight.shape[1] // 2 if gated else weight.shape[1]
+    return x.new_empty((*x.shape[:-1], n), dtype=torch.bfloat16 if x.dtype == torch.float8_e4m3fn else x.dtype)
+
+
+def grouped_gemm_contiguous(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, *, gated: bool = False,
+                            x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                            align: int = ROW_ALIGN) -> torch.Tensor:
+    """out [M, N]: row r of x [M, K] times weight[m_indices[r]]^T (weight [E, N, K]); groups
+    concatenated along M, each run starting at a multiple of `align` rows, m_indices -1 on
+    padding rows (not written). gated: weight [E, 2N, K] as [gate; up], out silu(gate) * up.
+    FP8: e4m3 x and weight with x_scale [M, K/128] and w_scale [E, ceil(NW/128), K/128], bf16 out."""
+    check_layout_inputs(x, weight, m_indices, "contiguous", gated, x_scale, w_scale, int(align))
+    return _grouped_gemm(x, weight, m_indices, x_scale, w_scale, "contiguous", bool(gated), int(align))
+
+
+def grouped_gemm_masked(x: torch.Tensor, weight: torch.Tensor, masked_m: torch.Tensor, *, gated: bool = False,
+                        x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """out [E, max_m, N]: for each expert e, its first masked_m[e] rows of x [E, max_m, K] times
+    weight[e]^T; rows past masked_m[e] not written. gated and FP8 as grouped_gemm_contiguous
+    (x_scale [E, max_m, K/128])."""
+    check_layout_inputs(x, weight, masked_m, "masked", gated, x_scale, w_scale, 1)
+    return _grouped_gemm(x, weight, masked_m, x_scale, w_scale, "masked", bool(gated), 1)

@@ -11,6 +11,11 @@
 - `grouped_gemm.py`: the Triton grouped GEMM over those rows, each row tile reading its
   expert's weight; SwiGLU fused into the gate/up projection, the routing weight and the
   scatter back to (token, slot) order fused into the down projection.
+  The same file holds DeepGEMM's two layouts in one persistent kernel: contiguous (groups
+  along M, m_indices per row) and masked (a block per expert, masked_m rows valid), in
+  bf16 or block-scaled FP8, with or without SwiGLU in the epilogue.
+- `deepseek.py`: DeepSeek-V3's MoE layer on those kernels (router, shared expert, dispatch,
+  gate-up + SwiGLU, down, combine).
 - `ffn.py`: the layer, `moe_ffn(x, topk_ids, topk_weights, w13, w2)`: route, gather,
   two grouped GEMMs, sum each token's top_k rows.
 - `trace.py`: `kforge trace moe`, the per-expert table of a routing.

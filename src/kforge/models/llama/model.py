@@ -41,6 +41,7 @@ from torch import nn
 
 from kforge import ops
 from kforge.errors import ModelError
+from kforge.kernels.quant.fp8_gemv import MAX_BATCH as FP8_GEMV_MAX_ROWS
 from kforge.kernels.serving.gemv import MAX_BATCH as GEMV_MAX_ROWS
 from kforge.kernels.serving.rope import KERNEL_DTYPES as ROPE_KERNEL_DTYPES
 from kforge.kernels.serving.rope import apply_rope_, rope_reference_
@@ -52,8 +53,8 @@ from kforge.ops.w4a16 import MAX_BATCH as W4A16_MAX_ROWS
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight) -> torch.Tensor:
     """x @ weight.T in the weight's format: for a plain weight the decode GEMV for a few rows,
-    the GEMM otherwise; an INT4 weight through W4A16; an FP8 weight through the block-scaled
-    FP8 GEMM, x quantized per 1 x 128 tile on the way in."""
+    the GEMM otherwise; an INT4 weight through W4A16; an FP8 weight through the FP8 GEMV (x
+    in bf16) for a few rows, else dequantized onto the bf16 GEMM."""
     if isinstance(weight, Int4Weight):
         if x.shape[0] <= W4A16_MAX_ROWS:
             return ops.w4a16_matmul(x, weight.qweight, weight.scales, weight.group)
@@ -61,8 +62,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight) -> to
         # dequantized (a transient, freed after the GEMM) and multiplied on the bf16 tensor-core GEMM.
         return ops.matmul(x, ops.dequantize_int4(weight.qweight, weight.scales, weight.group).t())
     if isinstance(weight, Fp8Weight):
-        a, a_scale = ops.quantize_fp8(x, "block", block=(1, FP8_BLOCK))
-        return ops.fp8_gemm(a, weight.q, a_scale, weight.scale, scaling="block")
+        if x.shape[0] <= FP8_GEMV_MAX_ROWS:  # decode: the weight's bytes are the cost, x stays bf16
+            return ops.fp8_gemv(x, weight.q, weight.scale)
+        # More rows take the dequantized weight on the bf16 GEMM, x still in bf16, so that a request's
+        # numbers do not depend on how many rows share its step; the FP8 GEMM would quantize x per
+        # 1 x 128 tile only above the GEMV's limit, and greedy tokens would change with the batch.
+        w = ops.dequantize_fp8(weight.q, weight.scale, block=(FP8_BLOCK, FP8_BLOCK)).to(x.dtype)
+        return ops.matmul(x, w.t())
     if x.shape[0] <= GEMV_MAX_ROWS:
         return ops.gemv(x, weight)
     return ops.matmul(x, weight.t())

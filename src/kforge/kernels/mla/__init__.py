@@ -1,0 +1,8 @@
+"""DeepSeek's multi-head latent attention (MLA) at decode, in the absorbed form FlashMLA computes.
+
+- `decode.py`: the Triton split-KV kernel and its combine over a paged latent cache, the
+  split planner, the checks, a float64 reference (gather the cache, plain attention) and the
+  FLOP and byte counts.
+`kforge.ops.mla_decode` wraps it as a PyTorch operator; `kforge.bench.mla` times it against a
+PyTorch composition.
+"""

@@ -1,0 +1,402 @@
+"""MLA decode (FlashMLA's contract): every query head of a request attends to one shared latent
+cache, in two Triton kernels (split-KV partials, then a combine).
+
+DeepSeek-V2/V3 cache one latent per token, c_t (512 dims) and a RoPE key k_r,t (64 dims), for
+all heads at once. With the up-projections absorbed into the query (q'_h = W_UK,h^T q_nope,h,
+512 dims, next to the 64 RoPE dims q_r,h) and the value projection applied after attention,
+each head h is plain attention with head dim 576 for the keys and 512 for the values, over
+rows of the same cache:
+
+    K_t = [c_t, k_r,t] (576),  V_t = c_t (the first 512 of the same row),
+    out[b, i, h] = sum_t softmax_t(scale * q[b, i, h] . K_t) V_t,   t < limit(b, i),
+    lse[b, h, i] = log sum_t exp(scale * q[b, i, h] . K_t)          (natural log, fp32).
+
+Causal over the s_q query tokens of a speculative step: query i of s_q sees the first
+limit(b, i) = n_b - s_q + i + 1 tokens (n_b = cache_seqlens[b], which counts the s_q new
+tokens); without `causal`, all n_b. A query with no visible token (n_b = 0, or n_b < s_q
+under causal) gets out = 0 and lse = -inf (the log of an empty sum).
+
+Work: per visible (query row, token), 2 x 576 FLOPs for the scores and 2 x 512 for P V;
+bytes: 576 x 2 per cached token (bf16) once, shared by all h_q x s_q rows. So the arithmetic
+intensity is ~1.9 FLOP/byte per row: at h_q x s_q = 16 (DeepSeek-V3 decode on 8 GPUs) it is
+memory-bound (~30 FLOP/B against the H100's ~300), at 128 rows and above it is compute-bound.
+
+Kernel 1, one program per (request, block of BLOCK_M query rows, split of the context):
+- The rows are (query token i, head h) pairs flattened i-major, so one program holds many
+  heads: the cache tile is read once per block of rows, and the scores are one tl.dot of
+  [BLOCK_M, 512] x [512, BLOCK_N] plus [BLOCK_M, 64] x [64, BLOCK_N] (two dots because Triton's
+  tiles are powers of two: 576 = 512 + 64).
+- Each tile of BLOCK_N tokens gathers its pages per token through the block table (page ids
+  widened to int64: a pool may pass 2^31 elements) and reads each token's 576 values once; the
+  first 512 serve as K and as V (acc += P V reuses the loaded tile, no second read).
+- Online softmax in log2 units (log2(e) folded into the scale); a row whose tiles are all
+  masked keeps m = -inf and is guarded so exp2(-inf - -inf) never makes a NaN.
+- With one split it normalises and writes out and lse; with several it writes the partial
+  out (normalised, fp32) and its lse to a workspace.
+Kernel 2, one program per (request, query row), only with several splits: lse = log sum_s
+exp(lse_s), out = sum_s exp(lse_s - lse) out_s, over the splits the request has.
+
+Splits (`plan_mla_decode`): with G = batch x ceil(h_q s_q / BLOCK_M) programs per split, as
+many splits as bring the grid to ~2 programs an SM, no split shorter than MIN_SPLIT_TOKENS (a
+split's partials, BLOCK_M x 512 x 4 bytes written and read, must stay small next to its
+split x 1152 bytes of cache), planned from the block table's width (known on the host: no
+device read, usable in a CUDA graph). Ragged batches: a program whose split starts past its
+request's length exits at once, and the combine reads only the splits a request has; the
+cost of a short request in a long batch is those empty launches, not work. (FlashMLA's
+scheduler instead balances tokens across SMs from the lengths on the device; that is the next
+step if the ragged benchmark shapes show idle SMs.)
+
+Tiles, for the H100: BLOCK_M = 64 rows (fewer if h_q x s_q is smaller, at least 16 for
+tl.dot), BLOCK_N = 32 tokens, 8 warps, 2 stages. The fp32 accumulator is BLOCK_M x 512 (128 KB
+at 64 rows), the reason BLOCK_N stays at 32. What Triton 3.6 makes of it for sm_90, compiled
+offline (bf16, causal, split; `tests/kernels/test_mla_decode.py` keeps these free of spills):
+at BLOCK_M = 64, 232 registers a thread, no spills, 144 KB of shared memory (one program an
+SM), wgmma for both dots; BLOCK_N = 64 needs 216 KB and 255 registers, 4 warps spill 1.8 KB a
+thread, and one stage spills too. At BLOCK_M = 32, 180 registers and 74 KB; at 16, 113
+registers and 55 KB (mma.sync, not wgmma: a warpgroup's M is 64). fp32 inputs (a check, not a
+speed) take 32 x 16 tiles: 214 registers and 110 KB, no spills; 64-row tiles spill over 10 KB a
+thread. Whether one resident program an SM keeps enough bytes in flight for the memory-bound
+shapes is for the GPU to say. `config` overrides every choice (sweeps, the interpreter tests).
+Nothing here has run on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+H100_SMS = 132
+PROGRAMS_PER_SM = 2
+MIN_SPLIT_TOKENS = 256
+MAX_COMBINE_BLOCK = 16
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PAGE_SIZES = (16, 32, 64, 128, 256)
+
+
+@triton.jit
+def mla_decode_split_kernel(
+        q_ptr, cache_ptr, block_table_ptr, seqlens_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+        stride_qb, stride_qs, stride_qh, stride_cp, stride_ct, stride_table,
+        h_q, s_q, max_pages, num_splits, split_size, qk_scale,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    rows_total = s_q * h_q
+    m_blocks = tl.cdiv(rows_total, BLOCK_M)
+    request = tl.program_id(0) // m_blocks
+    m_block = tl.program_id(0) % m_blocks
+    split = tl.program_id(1)
+    # clamped to the block-table row, so an unchecked length never reads past it
+    length = tl.minimum(tl.load(seqlens_ptr + request), max_pages * PAGE_SIZE)
+    start = split * split_size
+    if SPLIT:
+        if start >= length:  # the combine reads only the splits a request has
+            return
+    end = tl.minimum(start + split_size, length)
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    real = rows < rows_total
+    token_of_row = rows // h_q  # the query token i of s_q
+    head = rows % h_q
+    if CAUSAL:
+        limit = length - s_q + token_of_row + 1
+    else:
+        limit = tl.zeros([BLOCK_M], tl.int32) + length
+    offs_v = tl.arange(0, D_V)
+    offs_r = tl.arange(0, D_ROPE)
+    q_rows = q_ptr + request.to(tl.int64) * stride_qb + token_of_row * stride_qs + head * stride_qh
+    q_nope = tl.load(q_rows[:, None] + offs_v[None, :], mask=real[:, None], other=0.0)
+    q_rope = tl.load(q_rows[:, None] + D_V + offs_r[None, :], mask=real[:, None], other=0.0)
+    table = block_table_ptr + request.to(tl.int64) * stride_table
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_V], tl.float32)
+    for tile in range(start, end, BLOCK_N):
+        offs_n = tile + tl.arange(0, BLOCK_N)
+        live = offs_n < end
+        page = tl.load(table + offs_n // PAGE_SIZE, mask=live, other=0).to(tl.int64)
+        token_rows = cache_ptr + page * stride_cp + (offs_n % PAGE_SIZE) * stride_ct
+        kv = tl.load(token_rows[:, None] + offs_v[None, :], mask=live[:, None], other=0.0)  # K's first 512 and V
+        k_rope = tl.load(token_rows[:, None] + D_V + offs_r[None, :], mask=live[:, None], other=0.0)
+        s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
+        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PRECISION) * qk_scale
+        visible = live[None, :] & (offs_n[None, :] < limit[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    flat = request * rows_total + rows  # (request, query token, head), flattened
+    if SPLIT:
+        partial = flat.to(tl.int64) * num_splits + split
+        tl.store(part_lse_ptr + partial, lse2, mask=real)
+        tl.store(part_out_ptr + partial[:, None] * D_V + offs_v[None, :], out, mask=real[:, None])
+    else:
+        tl.store(out_ptr + flat.to(tl.int64)[:, None] * D_V + offs_v[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=real[:, None])
+        # lse is (batch, h_q, s_q)
+        tl.store(lse_ptr + (request * h_q + head) * s_q + token_of_row, lse2 * 0.6931471805599453, mask=real)  # x ln 2
+
+
+@triton.jit
+def mla_decode_combine_kernel(part_out_ptr, part_lse_ptr, seqlens_ptr, out_ptr, lse_ptr,
+                              h_q, s_q, max_tokens, num_splits, split_size,
+                              D_V: tl.constexpr, BLOCK_S: tl.constexpr):
+    flat = tl.program_id(0)  # (request, query token, head)
+    rows_total = s_q * h_q
+    request = flat // rows_total
+    row = flat % rows_total
+    length = tl.minimum(tl.load(seqlens_ptr + request), max_tokens)
+    written = tl.cdiv(length, split_size)  # kernel 1 skipped the splits past the length
+    first = flat.to(tl.int64) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_v = tl.arange(0, D_V)
+
+    top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, written, BLOCK_S):  # the largest lse first, so no weight overflows
+        top = tl.maximum(top, tl.load(part_lse_ptr + first + s0 + offs_s, mask=s0 + offs_s < written,
+                                      other=float("-inf")))
+    top_max = tl.max(top, 0)
+    top_safe = tl.where(top_max == float("-inf"), 0.0, top_max)
+
+    weights = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_S, D_V], tl.float32)
+    for s0 in range(0, written, BLOCK_S):
+        mine = s0 + offs_s < written
+        w = tl.math.exp2(tl.load(part_lse_ptr + first + s0 + offs_s, mask=mine, other=float("-inf")) - top_safe)
+        weights += w
+        acc += w[:, None] * tl.load(part_out_ptr + (first + s0 + offs_s)[:, None] * D_V + offs_v[None, :],
+                                    mask=mine[:, None], other=0.0)
+    total = tl.sum(weights, 0)
+    seen = total > 0.0
+    out = tl.where(seen, tl.sum(acc, 0) / tl.where(seen, total, 1.0), 0.0)
+    lse2 = tl.where(seen, top_safe + tl.math.log2(tl.where(seen, total, 1.0)), float("-inf"))
+    tl.store(out_ptr + flat.to(tl.int64) * D_V + offs_v, out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + (request * h_q + row % h_q) * s_q + row // h_q, lse2 * 0.6931471805599453)  # x ln 2
+
+
+@dataclass(frozen=True)
+class MlaPlan:
+    """How a call splits: BLOCK_M query rows and BLOCK_N tokens a tile, splits of
+    `split_size` tokens (a multiple of block_n), `num_splits` for the longest request."""
+
+    block_m: int
+    block_n: int
+    split_size: int
+    num_splits: int
+    num_warps: int = 8
+    num_stages: int = 2
+
+    @property
+    def split(self) -> bool:
+        return self.num_splits > 1
+
+
+def plan_mla_decode(batch: int, rows: int, max_tokens: int, num_sms: int = H100_SMS,
+                    config: dict | None = None, element_size: int = 2) -> MlaPlan:
+    """Tiles and splits for `batch` requests of `rows` = h_q x s_q query rows each, the longest
+    at most `max_tokens` (module docstring: "Splits"), inputs of `element_size` bytes (fp32 tiles
+    are halved both ways: 64 x 32 spills and overflows shared memory). `config` (BLOCK_M,
+    BLOCK_N, split_size, num_warps, num_stages, each optional) overrides the choice."""
+    config = dict(config or {})
+    wide = element_size > 2
+    block_m = config.pop("BLOCK_M", min(32 if wide else 64, max(16, triton.next_power_of_2(rows))))
+    block_n = config.pop("BLOCK_N", 16 if wide else 32)
+    if "split_size" in config:
+        split_size = config.pop("split_size")
+    else:
+        programs = batch * math.ceil(rows / block_m)
+        wanted = math.ceil(PROGRAMS_PER_SM * num_sms / max(1, programs))
+        most = max(1, math.ceil(max_tokens / MIN_SPLIT_TOKENS))
+        split_size = math.ceil(max(1, max_tokens) / min(wanted, most))
+        split_size = math.ceil(split_size / block_n) * block_n
+    num_warps, num_stages = config.pop("num_warps", 8), config.pop("num_stages", 2)
+    if config:
+        raise ValueError(f"unknown config keys {sorted(config)}: use BLOCK_M, BLOCK_N, split_size, num_warps, "
+                         f"num_stages")
+    for name, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {value}")
+    if split_size < block_n or split_size % block_n:
+        raise ValueError(f"split_size must be a positive multiple of BLOCK_N ({block_n}), got {split_size}")
+    num_splits = max(1, math.ceil(max_tokens / split_size))
+    if num_splits > 65535:
+        raise ValueError(f"{num_splits} splits exceed the grid's 65535: use larger splits")
+    return MlaPlan(block_m, block_n, split_size, num_splits, num_warps, num_stages)
+
+
+def check_mla_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     cache_seqlens: torch.Tensor, head_dim_v: int, softmax_scale: float | None) -> float:
+    """Raise ValueError on anything the kernels cannot take (shapes, dtypes, devices, strides; no
+    device read); return the softmax scale (default 1/sqrt(q's head dim), as FlashMLA)."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D (batch, s_q, h_q, head_dim), got {tuple(q.shape)}")
+    if kv_cache.dim() != 4 or kv_cache.shape[2] != 1:
+        raise ValueError(f"kv_cache must be (num_pages, page_size, 1, head_dim): one latent head, got "
+                         f"{tuple(kv_cache.shape)}")
+    batch, s_q, h_q, head_dim = q.shape
+    num_pages, page_size, _, cache_dim = kv_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"q's head dim {head_dim} differs from the cache's {cache_dim}")
+    rope = head_dim - head_dim_v
+    for name, value in (("head_dim_v", head_dim_v), ("head_dim - head_dim_v", rope)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (DeepSeek: 512 + 64 = 576), got {value}")
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"page_size {page_size} is not supported (supported: {', '.join(map(str, PAGE_SIZES))})")
+    if num_pages == 0 or s_q == 0 or h_q == 0:
+        raise ValueError(f"empty pool or query: q {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)}")
+    if q.dtype != kv_cache.dtype or q.dtype not in DTYPES:
+        raise ValueError(f"q and kv_cache must share one dtype of bfloat16, float16, float32; got {q.dtype} and "
+                         f"{kv_cache.dtype}")
+    if q.stride(3) != 1 or kv_cache.stride(3) != 1:
+        raise ValueError(f"q and kv_cache need a contiguous head dim, got strides {q.stride()} and "
+                         f"{kv_cache.stride()}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
+        raise ValueError(f"block_table must be (batch={batch}, max_pages >= 1), got {tuple(block_table.shape)}")
+    if cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens must be (batch={batch},), got {tuple(cache_seqlens.shape)}")
+    if block_table.dtype != torch.int32 or cache_seqlens.dtype != torch.int32:
+        raise ValueError(f"block_table and cache_seqlens must be int32, got {block_table.dtype} and "
+                         f"{cache_seqlens.dtype}")
+    devices = {t.device for t in (q, kv_cache, block_table, cache_seqlens)}
+    if len(devices) != 1:
+        raise ValueError(f"the inputs are on different devices: {sorted(map(str, devices))}")
+    if block_table.stride(1) != 1 or cache_seqlens.stride(0) != 1:
+        raise ValueError("block_table rows and cache_seqlens must be contiguous")
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite, got {scale}")
+    return scale
+
+
+def check_mla_table_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_pages: int,
+                           page_size: int) -> None:
+    """Raise ValueError unless every length is in [0, the block-table row's tokens] and every page a
+    request's tokens occupy is a page of the pool. One device-to-host read."""
+    lengths = cache_seqlens.long()
+    max_pages = block_table.shape[1]
+    occupied = torch.arange(max_pages, device=lengths.device) * page_size < lengths[:, None]
+    bad_page = occupied & ((block_table < 0) | (block_table >= num_pages))
+    negative, too_long = lengths < 0, lengths > max_pages * page_size
+    if not any(torch.stack([negative.any(), too_long.any(), bad_page.any()]).tolist()):
+        return
+    if negative.any() or too_long.any():
+        b = int((negative | too_long).nonzero()[0])
+        raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])} is outside [0, {max_pages * page_size}] "
+                         f"({max_pages} pages x {page_size} tokens)")
+    b, j = (int(i) for i in bad_page.nonzero()[0])
+    raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of the pool "
+                     f"(0..{num_pages - 1}) but request {b} keeps tokens there")
+
+
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer the kernels write, uninitialised: each element is written before it is read
+    (the tests fill these with NaN to prove it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+               head_dim_v: int = 512, *, softmax_scale: float | None = None, causal: bool = False,
+               validate: bool = True, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (batch, s_q, h_q, head_dim_v) in q's dtype, lse (batch, h_q, s_q) fp32) of q
+    (batch, s_q, h_q, head_dim) over the latent cache (num_pages, page_size, 1, head_dim) through
+    block_table (batch, max_pages) int32 and cache_seqlens (batch,) int32.
+
+    `validate` reads the lengths and page ids back once to refuse bad ones; pass False where the
+    tables are trusted (a serving loop, a CUDA graph): lengths are then clamped to the block-table
+    row. `config` fixes the tiling and the splits (see `plan_mla_decode`)."""
+    scale = check_mla_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale)
+    batch, s_q, h_q, head_dim = q.shape
+    num_pages, page_size, _, _ = kv_cache.shape
+    if validate:
+        check_mla_table_values(block_table, cache_seqlens, num_pages, page_size)
+    out = _empty((batch, s_q, h_q, head_dim_v), q.dtype, q.device)
+    lse = _empty((batch, h_q, s_q), torch.float32, q.device)
+    if batch == 0:
+        return out, lse
+    max_pages = block_table.shape[1]
+    rows = s_q * h_q
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else H100_SMS
+    plan = plan_mla_decode(batch, rows, max_pages * page_size, num_sms, config, q.element_size())
+    if plan.split:
+        part_out = _empty((batch, rows, plan.num_splits, head_dim_v), torch.float32, q.device)
+        part_lse = _empty((batch, rows, plan.num_splits), torch.float32, q.device)
+    else:
+        part_out = part_lse = out  # not touched without SPLIT
+    grid = (batch * triton.cdiv(rows, plan.block_m), plan.num_splits)
+    mla_decode_split_kernel[grid](
+        q, kv_cache, block_table, cache_seqlens, out, lse, part_out, part_lse,
+        q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        h_q, s_q, max_pages, plan.num_splits, plan.split_size, scale * LOG2E,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, D_V=head_dim_v, D_ROPE=head_dim - head_dim_v,
+        PAGE_SIZE=page_size, CAUSAL=bool(causal), SPLIT=plan.split,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if plan.split:
+        mla_decode_combine_kernel[(batch * rows,)](
+            part_out, part_lse, cache_seqlens, out, lse, h_q, s_q, max_pages * page_size, plan.num_splits,
+            plan.split_size, D_V=head_dim_v,
+            BLOCK_S=min(MAX_COMBINE_BLOCK, triton.next_power_of_2(plan.num_splits)), num_warps=4)
+    return out, lse
+
+
+def mla_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                         cache_seqlens: torch.Tensor, head_dim_v: int = 512, *, softmax_scale: float | None = None,
+                         causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition, request by request in float64: gather the request's cache rows in token
+    order, plain attention of every (query token, head) over the tokens it sees. Returns (out in
+    q's dtype, lse fp32), shaped as `mla_decode`'s; rows that see nothing get 0 and -inf."""
+    batch, s_q, h_q, head_dim = q.shape
+    page_size = kv_cache.shape[1]
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    out = torch.zeros(batch, s_q, h_q, head_dim_v, dtype=torch.float64, device=q.device)
+    lse = torch.full((batch, h_q, s_q), float("-inf"), dtype=torch.float64, device=q.device)
+    for b in range(batch):
+        n = int(cache_seqlens[b])
+        if n == 0:
+            continue
+        pages = block_table[b, :math.ceil(n / page_size)].long()
+        rows = kv_cache[pages, :, 0].reshape(-1, head_dim)[:n].double()  # (n, head_dim)
+        scores = torch.einsum("shd,td->sht", q[b].double(), rows) * scale  # (s_q, h_q, n)
+        limit = torch.arange(s_q, device=q.device) + (n - s_q + 1) if causal else torch.full((s_q,), n, device=q.device)
+        visible = torch.arange(n, device=q.device)[None, :] < limit[:, None]  # (s_q, n)
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        row_lse = torch.logsumexp(scores, -1)  # (s_q, h_q); -inf where nothing is visible
+        probs = torch.where(torch.isfinite(row_lse)[..., None], torch.exp(scores - row_lse[..., None]), 0.0)
+        out[b] = probs @ rows[:, :head_dim_v]
+        lse[b] = row_lse.transpose(0, 1)
+    return out.to(q.dtype), lse.float()
+
+
+def mla_decode_flops(cache_seqlens, s_q: int, h_q: int, head_dim: int = 576, head_dim_v: int = 512,
+                     causal: bool = False) -> int:
+    """2 (head_dim + head_dim_v) FLOPs per visible (query row, token) pair: Q K^T and P V."""
+    total = 0
+    for n in cache_seqlens:
+        seen = sum(max(0, min(n, n - s_q + i + 1)) for i in range(s_q)) if causal else s_q * n
+        total += h_q * seen
+    return 2 * (head_dim + head_dim_v) * total
+
+
+def mla_decode_min_bytes(cache_seqlens, s_q: int, h_q: int, dtype: torch.dtype, head_dim: int = 576,
+                         head_dim_v: int = 512, page_size: int = 64) -> int:
+    """HBM bytes a decode must move: every cached token's row once, q read and out written once,
+    the fp32 lse, the lengths and the block-table entries of the pages in use (int32)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    lengths = list(cache_seqlens)
+    rows = len(lengths) * s_q * h_q
+    return (sum(lengths) * head_dim * element + rows * (head_dim + head_dim_v) * element + 4 * rows
+            + 4 * len(lengths) + 4 * sum(math.ceil(n / page_size) for n in lengths))

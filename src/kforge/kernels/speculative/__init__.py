@@ -1,0 +1,8 @@
+"""Speculative decoding: verifying a draft model's tokens against the target model's
+probabilities so that the emitted tokens are distributed exactly as the target's samples.
+
+- `reference.py`: chain speculative sampling in PyTorch (float64), given the uniform draws:
+  the specification the kernel is tested against.
+- `chain.py`: the Triton kernel, one program per request, and the input checks.
+`kforge.ops.chain_speculative_sampling` wraps the kernel as a PyTorch operator.
+"""
