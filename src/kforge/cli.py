@@ -259,6 +259,11 @@ class SuiteBaseline(str, Enum):
     both = "both"
 
 
+class SuiteExecutor(str, Enum):
+    local = "local"
+    ray = "ray"
+
+
 BUILTIN_LEVELS = ("level1", "level2", "level3")
 
 
@@ -317,6 +322,17 @@ def suite_command(
                                          "fast_1 (the share of pairs correct and faster than the baseline) is at "
                                          "least this, for each baseline, instead of only when every pair passed.",
                                          show_default=False),
+    executor: SuiteExecutor = typer.Option(SuiteExecutor.local, help="Where the pairs run: local (this machine's "
+                                           "GPUs, --gpus) or ray (one Ray task per pair on a cluster; "
+                                           "pip install 'kforge[ray]'; docs/scale-out.md)."),
+    address: str = typer.Option(None, help="With --executor ray: the cluster's address (auto: the cluster this "
+                                "machine belongs to). Default: start a Ray instance on this machine for the run.",
+                                show_default=False),
+    ray_resources: str = typer.Option(None, "--ray-resources", help="With --executor ray: what each pair's task "
+                                      "holds, NAME=AMOUNT separated by commas (CPU, GPU or a custom resource). "
+                                      "Default: GPU=1.", show_default=False),
+    mix_devices: bool = typer.Option(False, "--mix-devices", help="Score pairs that ran on different devices "
+                                     "in one fast_p (refused otherwise: their speedups do not compare)."),
 ) -> None:
     """Evaluate every problem in PROBLEMS against its solution; print fast_p and a table.
     Exit status 0 when every pair passed both gates (with --require-fast-1 X: when fast_1 >= X),
@@ -325,6 +341,8 @@ def suite_command(
     `kforge suite level1 --solutions builtin` runs kforge's Level 1 suite with its own
     solutions. Pairs already in --results are skipped, so an interrupted suite resumes where
     it stopped; with --baseline both the eager and the torch.compile records share the store.
+    With --executor ray the pairs run on a Ray cluster, one task per pair, and this process
+    alone writes --results (docs/scale-out.md).
     """
     import json
     from dataclasses import asdict
@@ -332,6 +350,7 @@ def suite_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
+    from kforge.harness.executors import LocalExecutor, RayExecutor, parse_resources
     from kforge.harness.suite import ResultStore, run_suite
     from kforge.harness.timing import TimingConfig
     from kforge.views import suite_view
@@ -342,22 +361,43 @@ def suite_command(
     if resume and not results.is_file():
         raise KforgeError(f"nothing to resume: {results} does not exist")
     pairs = _suite_pairs(problems, solutions, only)
-    slots, device_name = _slots(gpus)
+    if executor is SuiteExecutor.ray:
+        if gpus:
+            raise KforgeError("--gpus picks this machine's GPUs; with --executor ray, --ray-resources says what "
+                              "each pair holds")
+        runner = RayExecutor(address, parse_resources(ray_resources or "GPU=1"), mix_devices=mix_devices)
+    else:
+        if address or ray_resources:
+            raise KforgeError("--address and --ray-resources are for --executor ray")
+        runner = LocalExecutor(*_slots(gpus))
     store = ResultStore(results)
     baselines = ["eager", "compile"] if baseline is SuiteBaseline.both else [baseline.value]
     summaries = {}
-    with _store_warnings(), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                    TimeElapsedColumn(), console=err, disable=not show_progress(json_output)) as progress:
+    running: set[str] = set()
+
+    def started(pair, where, against, task) -> None:
+        running.add(pair.name)
+        others = f" ({len(running)} running)" if len(running) > 1 else ""
+        progress.update(task, description=f"{pair.name} vs {against} on {where}{others}")
+
+    def done(pair, record, task) -> None:
+        running.discard(pair.name)
+        progress.advance(task)
+
+    with runner, _store_warnings(), Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                             TimeElapsedColumn(), console=err,
+                                             disable=not show_progress(json_output)) as progress:
         task = progress.add_task("suite", total=len(pairs) * len(baselines))
+        device_name = runner.device_name  # on Ray: a task on each node reports its device
         for against in baselines:
             options = dict(baseline=against, timing=TimingConfig(budget_s=time_budget),
                            size=size.value if size else None, min_speedup=min_speedup,
                            limits=stage_limits(stage_timeout, time_budget))
             summaries[against] = run_suite(
-                pairs, store, slots=slots, device_name=device_name, force=force, options=options,
-                on_start=lambda pair, gpu, against=against: progress.update(
-                    task, description=f"{pair.name} vs {against} on " + ("the CPU" if gpu is None else f"GPU {gpu}")),
-                on_done=lambda pair, record: progress.advance(task),
+                pairs, store, executor=runner, device_name=device_name, force=force, options=options,
+                mix_devices=mix_devices,
+                on_start=lambda pair, where, against=against: started(pair, where, against, task),
+                on_done=lambda pair, record: done(pair, record, task),
             )
         progress.update(task, completed=len(pairs) * len(baselines), description="suite")
 

@@ -1,7 +1,8 @@
 """Suites: many (problem, candidate) pairs, each in a fresh worker, scored by fast_p.
 
     pairs = discover(problems_dir, solutions_dir)     # matched by file name
-    summary = run_suite(pairs, store, slots=[0, 1])   # one worker per GPU at a time
+    summary = run_suite(pairs, store, slots=[0, 1], device_name=name)   # one worker per GPU at a time
+    summary = run_suite(pairs, store, executor=RayExecutor(address))    # one Ray task per pair (executors.py)
 
 fast_p (KernelBench's, with gate 2's statistics): the share of ALL problems whose candidate
 is correct and measurably more than p times faster than the reference: for p >= 1 its
@@ -14,22 +15,24 @@ The store is a JSONL file of EvalRecords, appended and fsynced as each pair ends
 suite killed at any moment (SIGKILL too) loses only the pairs in flight. A pair is
 identified by its key: problem and candidate content hashes, baseline, size and device.
 Running again skips pairs the store has, unless forced; the table is always computed
-from the store, so a resumed run prints the table an uninterrupted one would.
+from the store, so a resumed run prints the table an uninterrupted one would. Whatever
+executor evaluates the pairs, this process alone writes the store.
+
+One fast_p scores one kind of device: a suite whose records name several devices is
+refused unless `mix_devices` is given (the rows then say which device each ran on).
 """
 
 from __future__ import annotations
 
 import math
-import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kforge.errors import KforgeError
 from kforge.harness.evaluate import identity, pair_key
-from kforge.harness.isolation import evaluate_isolated
+from kforge.harness.executors import Executor, Job, LocalExecutor, Placement
 from kforge.harness.record import EvalRecord, append_record, read_records
 
 FAST_P = (0.0, 1.0, 1.5, 2.0)
@@ -84,6 +87,7 @@ class SuiteRow:
     pct_of_roof: float | None = None
     defences: list[str] = field(default_factory=list)
     reason: str | None = None
+    device: str | None = None  # the device its record ran on (None: no record, or none known)
 
     @property
     def correct(self) -> bool:
@@ -96,6 +100,7 @@ class SuiteSummary:
     fast_p: dict[float, float]
     geomean_speedup: float | None
     ran: int = 0  # pairs evaluated by this run (the rest came from the store)
+    devices: list[str] = field(default_factory=list)  # the devices its records ran on
 
     @property
     def correct(self) -> int:
@@ -115,44 +120,55 @@ def run_suite(
     pairs: Sequence[Pair],
     store: ResultStore,
     *,
-    slots: Sequence[int | None],
-    device_name: str,
+    slots: Sequence[int | None] | None = None,
+    device_name: str | None = None,
+    executor: Executor | None = None,
     force: bool = False,
     options: dict | None = None,
-    on_start: Callable[[Pair, int | None], None] | None = None,
+    on_start: Callable[[Pair, Placement], None] | None = None,
     on_done: Callable[[Pair, EvalRecord], None] | None = None,
+    mix_devices: bool = False,
 ) -> SuiteSummary:
     """Evaluate every pair the store lacks (all of them with `force`), then summarize.
 
-    `slots` lists the GPUs to use (None: the CPU); each runs one worker at a time.
-    `options` go to evaluate_isolated (baseline, timing, size, limits...).
+    `executor` evaluates the pairs (executors.py); by default a LocalExecutor on `slots`,
+    the GPUs to use (None: the CPU), each running one worker at a time. `device_name` keys
+    the pairs (default: the executor's). `options` go to evaluate_isolated (baseline,
+    timing, size, limits...). Records reach the store here, one at a time, as each pair ends.
     """
     options = dict(options or {})
+    executor = executor or LocalExecutor(slots if slots is not None else [None], device_name)
+    device_name = device_name or executor.device_name
     keys = keys_for(pairs, options, device_name)
     done = store.latest()
     todo = [p for p in pairs if p.candidate is not None and (force or keys[p.name] not in done)]
-    free: queue.Queue[int | None] = queue.Queue()
-    for slot in slots:
-        free.put(slot)
+    by_name = {pair.name: pair for pair in todo}
 
-    def evaluate_pair(pair: Pair) -> None:
-        gpu = free.get()
-        try:
-            if on_start:
-                on_start(pair, gpu)
-            record = evaluate_isolated(pair.problem, pair.candidate, gpu=gpu, device_name=device_name, **options)
-            store.append(record)
-            if on_done:
-                on_done(pair, record)
-        finally:
-            free.put(gpu)
+    def started(job: Job, where: Placement) -> None:
+        on_start(by_name[job.name], where)
 
-    with ThreadPoolExecutor(max_workers=max(1, len(slots))) as pool:
-        for future in [pool.submit(evaluate_pair, pair) for pair in todo]:
-            future.result()
+    def finished(job: Job, record: EvalRecord) -> None:
+        store.append(record)
+        if on_done:
+            on_done(by_name[job.name], record)
+
+    jobs = [Job(pair.name, pair.problem, pair.candidate, keys[pair.name]) for pair in todo]
+    if jobs:
+        executor.run(jobs, options=options, device_name=device_name, on_start=started if on_start else None,
+                     on_record=finished)
     summary = summarize(pairs, keys, store.latest())
     summary.ran = len(todo)
+    check_devices(summary, mix_devices)
     return summary
+
+
+def check_devices(summary: SuiteSummary, mix_devices: bool) -> None:
+    """Refuse a summary whose records ran on several devices, unless mixing was asked for."""
+    if len(summary.devices) > 1 and not mix_devices:
+        where = "; ".join(f"{device}: {', '.join(row.name for row in summary.rows if row.device == device)}"
+                          for device in summary.devices)
+        raise KforgeError(f"this suite's records ran on several devices ({where}): their speedups do not belong "
+                          "in one fast_p. Run the pairs on one kind of device, or pass --mix-devices")
 
 
 def summarize(pairs: Sequence[Pair], keys: dict[str, str], records: dict[str, dict]) -> SuiteSummary:
@@ -176,12 +192,14 @@ def summarize(pairs: Sequence[Pair], keys: dict[str, str], records: dict[str, di
                 pct_of_roof=roof["candidate"]["pct_of_roof"] if roof else None,
                 defences=record.get("defences") or [],
                 reason=record.get("reason"),
+                device=_device(record),
             ))
     total = len(rows)
     fast_p = {p: sum(fast(row, p) for row in rows) / total for p in FAST_P}
     speedups = [row.speedup for row in rows if row.correct and row.speedup > 0]
     geomean = math.exp(sum(math.log(s) for s in speedups) / len(speedups)) if speedups else None
-    return SuiteSummary(rows=rows, fast_p=fast_p, geomean_speedup=geomean)
+    devices = sorted({row.device for row in rows if row.device is not None})
+    return SuiteSummary(rows=rows, fast_p=fast_p, geomean_speedup=geomean, devices=devices)
 
 
 def fast(row: SuiteRow, p: float) -> bool:
@@ -195,3 +213,11 @@ def fast(row: SuiteRow, p: float) -> bool:
 def _low(gate2: dict | None) -> float | None:
     verdict = (gate2 or {}).get("verdict")
     return verdict.get("low") if isinstance(verdict, dict) else None
+
+
+def _device(record: dict) -> str | None:
+    """The device a record ran on; None where its evaluation never reached one."""
+    device = record.get("device")
+    if not isinstance(device, dict) or device.get("kind") in (None, "unknown"):
+        return None
+    return device.get("name")

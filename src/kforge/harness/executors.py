@@ -1,0 +1,434 @@
+"""Where a suite's pairs are evaluated: this machine's GPUs, or a Ray cluster.
+
+    LocalExecutor(slots=[0, 1])            one worker per local GPU (None: the CPU) at a time
+    RayExecutor(address="10.0.0.1:6379")   one Ray task per pair, anywhere on the cluster
+
+Either way each pair is judged by `evaluate_isolated` (isolation.py), in fresh worker
+processes with the judge's per-stage deadlines, and each record is handed back to the one
+caller that writes the store (suite.py): the executors evaluate, they never write.
+
+The Ray executor, for each pair:
+
+- holds `resources` (default one GPU) for one task, in a Ray worker process of its own
+  (`max_calls=1`): the judge's CUDA context, and the workers it starts, serve one pair;
+- ships the problem's and the candidate's files by content, written to a temporary folder
+  on the node (no shared filesystem), and keeps the driver's paths in the record;
+- refuses a node whose kforge harness differs from the driver's (`harness_fingerprint`)
+  or whose device is not the suite's (a suite's speedups compare one kind of device);
+- retries a task whose process died (the node, or the Ray worker under the judge) once;
+  a second death becomes a `crash` record (`oom` when Ray's memory monitor killed it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from kforge.errors import KforgeError
+from kforge.harness.record import EvalRecord
+
+RAY_MISSING = "the Ray executor needs ray: pip install 'kforge[ray]'"
+RETRIES = 1  # a pair whose task dies is run once more, then recorded as a crash
+POLL_S = 0.5  # how often the driver looks for started pairs while it waits for results
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one attempt at a pair runs: a node (None: this machine), a GPU (None: the CPU),
+    and the process the judge runs in (None: the caller's)."""
+
+    gpu: int | None = None
+    node: str | None = None
+    pid: int | None = None
+    attempt: int = 1  # 2: the retry after the first attempt's process died
+
+    def __str__(self) -> str:
+        where = "the CPU" if self.gpu is None else f"GPU {self.gpu}"
+        if self.node is not None:
+            where += f" of {self.node}"
+        return where + (f" (attempt {self.attempt})" if self.attempt > 1 else "")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One pair to evaluate, with the key its record must carry."""
+
+    name: str
+    problem: Path
+    candidate: Path
+    key: str
+
+
+OnStart = Callable[[Job, Placement], None]
+OnRecord = Callable[[Job, EvalRecord], None]
+
+
+class Executor(ABC):
+    """Evaluates jobs and hands each record to `on_record`, in the caller's process."""
+
+    @property
+    @abstractmethod
+    def device_name(self) -> str:
+        """The device the pairs are keyed by (every record's pair key carries it)."""
+
+    @abstractmethod
+    def run(self, jobs: Sequence[Job], *, options: dict, device_name: str, on_start: OnStart | None,
+            on_record: OnRecord) -> None:
+        """Evaluate every job with evaluate_isolated(**options); `on_record` is the only way
+        out for a record. An exception from `on_record` (an interrupt) stops the run."""
+
+    def close(self) -> None:
+        """Release what the executor holds (a Ray connection it made)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LocalExecutor(Executor):
+    """This machine: one thread per slot, each running one pair at a time on its GPU."""
+
+    def __init__(self, slots: Sequence[int | None], device_name: str | None = None):
+        self.slots = list(slots) or [None]
+        self._device_name = device_name
+
+    @property
+    def device_name(self) -> str:
+        if self._device_name is None:
+            raise KforgeError("LocalExecutor needs the device name of its slots")
+        return self._device_name
+
+    def run(self, jobs, *, options, device_name, on_start, on_record) -> None:
+        from kforge.harness.isolation import evaluate_isolated
+
+        free: queue.Queue[int | None] = queue.Queue()
+        for slot in self.slots:
+            free.put(slot)
+
+        def evaluate(job: Job) -> None:
+            gpu = free.get()
+            try:
+                if on_start:
+                    on_start(job, Placement(gpu=gpu))
+                record = evaluate_isolated(job.problem, job.candidate, gpu=gpu, device_name=device_name, **options)
+                on_record(job, record)
+            finally:
+                free.put(gpu)
+
+        with ThreadPoolExecutor(max_workers=len(self.slots)) as pool:
+            for future in [pool.submit(evaluate, job) for job in jobs]:
+                future.result()
+
+
+# --- Ray --------------------------------------------------------------------------------
+
+def parse_resources(text: str) -> dict[str, float]:
+    """"GPU=1,CPU=2,h100=1" -> the Ray resources one pair's task holds."""
+    resources: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, amount = part.partition("=")
+        try:
+            value = float(amount) if sep else 1.0
+        except ValueError:
+            value = -1.0
+        if not name.strip() or value <= 0:
+            raise KforgeError(f"--ray-resources takes NAME=AMOUNT pairs separated by commas (GPU=1,CPU=2), "
+                              f"got {part!r}")
+        resources[name.strip()] = value
+    if not resources:
+        raise KforgeError("--ray-resources is empty: each pair's task must hold something (GPU=1)")
+    return resources
+
+
+def harness_fingerprint(folder: Path | None = None) -> str:
+    """A hash of kforge's version and the judge's source files (those of `folder`, default
+    kforge's harness): two processes with the same fingerprint judge a pair the same way."""
+    from kforge import __version__
+
+    digest = hashlib.sha256(__version__.encode())
+    for path in sorted((folder or Path(__file__).parent).glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def suite_device(names: dict[str, str], mix_devices: bool) -> str:
+    """The device name a suite's pairs are keyed by, from each node's device
+    ({node: name}); nodes of different devices only with `mix_devices`."""
+    distinct = sorted(set(names.values()))
+    if not distinct:
+        raise KforgeError("no node of the Ray cluster can run a pair")
+    if len(distinct) == 1:
+        return distinct[0]
+    if not mix_devices:
+        where = "; ".join(f"{name}: {', '.join(sorted(n for n, d in names.items() if d == name))}"
+                          for name in distinct)
+        raise KforgeError(f"the Ray cluster mixes devices ({where}): their speedups do not belong in one fast_p. "
+                          "Pin the pairs to one kind with --ray-resources (a custom resource its nodes have), "
+                          "or pass --mix-devices")
+    return " + ".join(distinct)
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """A pair as it travels to a node: both files' names and bytes, and the paths the
+    record should name (the driver's)."""
+
+    index: int
+    problem_name: str
+    problem_bytes: bytes
+    candidate_name: str
+    candidate_bytes: bytes
+    problem_path: str | None
+    candidate_path: str | None
+
+
+@dataclass(frozen=True)
+class Refused:
+    """What a task returns instead of a record when its node must not judge the pair."""
+
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Started:
+    index: int
+    node: str
+    gpu: int | None
+    pid: int
+
+
+def visible_device_name() -> str:
+    """The device a pair evaluated in this process would run on: the first visible GPU
+    (Ray sets CUDA_VISIBLE_DEVICES to the task's), else the CPU."""
+    import torch
+
+    from kforge.device import current_device
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else current_device("cpu").name
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _probe_node() -> tuple[str, str, str]:
+    """(node, device name, harness fingerprint) of the node this task runs on."""
+    return _node_ip(), visible_device_name(), harness_fingerprint()
+
+
+def _evaluate_shipped(job: Shipped, options: dict, device_name: str, check_device: bool, fingerprint: str,
+                      events) -> EvalRecord | Refused:
+    """The task: write the shipped files on this node, judge them, return the record."""
+    import ray
+
+    from kforge.harness.isolation import evaluate_isolated
+
+    node = _node_ip()
+    gpus = [str(gpu) for gpu in ray.get_gpu_ids()]
+    gpu = int(gpus[0]) if gpus and gpus[0].isdigit() else None
+    if events is not None:  # the driver's progress display; it is not needed for the record
+        try:
+            events.put_nowait(Started(job.index, node, gpu, os.getpid()))
+        except Exception:  # noqa: BLE001  (a full or lost queue costs a progress line, not the pair)
+            pass
+    mine = harness_fingerprint()
+    if mine != fingerprint:
+        return Refused(node, f"its kforge harness ({mine}) is not the driver's ({fingerprint}): install the same "
+                             "kforge on every node")
+    device = visible_device_name()
+    if check_device and device != device_name:
+        return Refused(node, f"its device is {device}, the suite's {device_name}: pin the pairs to one kind of node "
+                             "with --ray-resources, or pass --mix-devices")
+    folder = Path(tempfile.mkdtemp(prefix="kforge-pair-"))
+    try:
+        problem, candidate = folder / "problem" / job.problem_name, folder / "candidate" / job.candidate_name
+        for path, data in ((problem, job.problem_bytes), (candidate, job.candidate_bytes)):
+            path.parent.mkdir()
+            path.write_bytes(data)
+        # gpu=None: the workers inherit CUDA_VISIBLE_DEVICES as Ray set it for this task
+        record = evaluate_isolated(problem, candidate, gpu=None, device_name=device_name, **options)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    record.problem["path"] = job.problem_path
+    record.candidate["path"] = job.candidate_path
+    return record
+
+
+class RayExecutor(Executor):
+    """A Ray cluster: one task per pair, holding `resources` (module docstring).
+
+    `address`: the cluster's ("auto": the one this machine belongs to); None starts a local
+    Ray instance for the run. A process already connected to Ray (`ray.init`) uses that
+    connection and keeps it. `mix_devices`: allow nodes of different devices in one suite.
+    """
+
+    def __init__(self, address: str | None = None, resources: dict[str, float] | None = None,
+                 mix_devices: bool = False):
+        try:
+            import ray
+        except ImportError:
+            raise KforgeError(RAY_MISSING) from None
+        self.ray = ray
+        self.address = address
+        self.resources = dict(resources or {"GPU": 1.0})
+        self.mix_devices = mix_devices
+        self._connected_here = False
+        self._nodes: dict[str, str] | None = None
+        self.fingerprint = harness_fingerprint()
+
+    # -- the cluster ------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        ray = self.ray
+        if ray.is_initialized():
+            return
+        if self.address is None:
+            ray.init(include_dashboard=False, log_to_driver=False, logging_level="warning")
+        else:
+            ray.init(address=self.address, log_to_driver=False, logging_level="warning")
+        self._connected_here = True
+
+    def close(self) -> None:
+        if self._connected_here and self.ray.is_initialized():
+            self.ray.shutdown()
+        self._connected_here = False
+
+    def _task_options(self) -> dict:
+        custom = {k: v for k, v in self.resources.items() if k not in ("CPU", "GPU")}
+        options = dict(num_gpus=self.resources.get("GPU", 0.0))
+        if custom:
+            options["resources"] = custom
+        if "CPU" in self.resources:
+            options["num_cpus"] = self.resources["CPU"]
+        return options
+
+    def _able_nodes(self) -> list[dict]:
+        nodes = [n for n in self.ray.nodes() if n.get("Alive")]
+        able = [n for n in nodes if all(n["Resources"].get(k, 0.0) >= v for k, v in self.resources.items())]
+        if not able:
+            offered = "; ".join(f"{n['NodeManagerAddress']}: " + ", ".join(
+                f"{k}={v:g}" for k, v in sorted(n["Resources"].items()) if not k.startswith(("node:", "memory",
+                                                                                             "object_store")))
+                for n in nodes) or "no node"
+            wanted = ", ".join(f"{k}={v:g}" for k, v in self.resources.items())
+            raise KforgeError(f"no node of the Ray cluster has {wanted} for a pair ({offered}); "
+                              "on a cluster without GPUs pass --ray-resources CPU=1")
+        return able
+
+    def nodes(self) -> dict[str, str]:
+        """{node address: device name} of every node able to run a pair, probed once by a task
+        on each node holding a pair's resources. Refuses a node whose harness is not ours."""
+        if self._nodes is None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            self.connect()
+            probe = self.ray.remote(max_calls=1, **self._task_options())(_probe_node)
+            refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                    .remote() for n in self._able_nodes()]
+            found = {}
+            for node, device, fingerprint in self.ray.get(refs):
+                if fingerprint != self.fingerprint:
+                    raise KforgeError(f"node {node} runs another kforge harness ({fingerprint}, the driver "
+                                      f"{self.fingerprint}): install the same kforge on every node")
+                found[node] = device
+            self._nodes = found
+        return self._nodes
+
+    @property
+    def device_name(self) -> str:
+        return suite_device(self.nodes(), self.mix_devices)
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def run(self, jobs, *, options, device_name, on_start, on_record) -> None:
+        from ray.exceptions import OutOfMemoryError, RayError, RayTaskError
+        from ray.util.queue import Queue
+
+        ray = self.ray
+        self.connect()
+        events = Queue(actor_options={"num_cpus": 0}) if on_start else None
+        task = ray.remote(max_calls=1, max_retries=RETRIES, retry_exceptions=False,
+                          **self._task_options())(_evaluate_shipped)
+        shared = ray.put(options)
+        by_index = dict(enumerate(jobs))
+        pending = {task.remote(ship(index, job), shared, device_name, not self.mix_devices, self.fingerprint,
+                               events): index
+                   for index, job in by_index.items()}
+        starts: Counter[int] = Counter()
+        last_node: dict[int, str] = {}
+
+        def drain() -> None:
+            while events is not None:
+                try:
+                    started = events.get_nowait()
+                except queue.Empty:
+                    return
+                except Exception:  # noqa: BLE001  (the queue's actor is gone: no more progress lines)
+                    return
+                starts[started.index] += 1
+                last_node[started.index] = started.node
+                on_start(by_index[started.index], Placement(started.gpu, started.node, started.pid,
+                                                            starts[started.index]))
+
+        try:
+            while pending:
+                drain()
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+                drain()
+                for ref in ready:
+                    index = pending.pop(ref)
+                    job = by_index[index]
+                    try:
+                        result = ray.get(ref)
+                    except RayTaskError as exc:  # kforge raised on the node: raised here, as locally
+                        raise (exc.cause if isinstance(exc.cause, BaseException) else exc) from exc
+                    except RayError as exc:
+                        status = "oom" if isinstance(exc, OutOfMemoryError) else "crash"
+                        result = died_record(job, options, device_name, exc, status, last_node.get(index))
+                    if isinstance(result, Refused):
+                        raise KforgeError(f"node {result.node} cannot judge {job.name}: {result.reason}")
+                    on_record(job, result)
+        finally:
+            for ref in pending:  # an interrupt, or a refusal: nothing keeps running for a store no one writes
+                ray.cancel(ref, force=True)
+            if events is not None:
+                events.shutdown()
+
+
+def ship(index: int, job: Job) -> Shipped:
+    from kforge.harness.evaluate import identity
+
+    return Shipped(index, job.problem.name, job.problem.read_bytes(), job.candidate.name, job.candidate.read_bytes(),
+                   identity(job.problem)["path"], identity(job.candidate)["path"])
+
+
+def died_record(job: Job, options: dict, device_name: str, exc: Exception, status: str,
+                node: str | None) -> EvalRecord:
+    """The record of a pair whose task died on both attempts (the judge could write none)."""
+    from kforge.harness.evaluate import identity
+
+    first = str(exc).strip().splitlines()
+    where = f" on {node}" if node else ""
+    reason = (f"the Ray task judging this pair died{where} on each of its {1 + RETRIES} attempts "
+              f"({type(exc).__name__}: {first[0][:300] if first else 'no reason given'})")
+    return EvalRecord(status=status, reason=reason, details=str(exc)[-4000:] or None, problem=identity(job.problem),
+                      candidate=identity(job.candidate), device={"kind": "unknown", "name": device_name},
+                      versions={}, baseline=options.get("baseline", "eager"), pair_key=job.key)
+
+
+__all__ = ["Executor", "Job", "LocalExecutor", "Placement", "RayExecutor", "harness_fingerprint",
+           "parse_resources", "suite_device"]
