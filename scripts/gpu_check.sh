@@ -25,6 +25,7 @@
 #   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
 #   fp8-gemv   (the FP8 decode GEMV's GPU tests, and the engine's FP8 decode through it)
 #   deepseek   (chain speculative sampling and MLA decode on the GPU)
+#   bench-mla   (kforge bench mla: FlashMLA's shapes against the eager and compiled compositions; MLA_SHAPES)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
@@ -194,6 +195,9 @@ fi
 if [[ $parts == *" deepseek "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_speculative_sampling.py \
     tests/kernels/test_mla_decode.py 2>&1 | tail -8 | tee "$out/pytest-deepseek-gpu.txt"
+fi
+if [[ $parts == *" bench-mla "* ]]; then
+  python3 -m kforge bench mla --shapes "${MLA_SHAPES:-all}" --results "$out/bench-mla.jsonl" 2>&1 | tee "$out/bench-mla.txt"
 fi
 if [[ $parts == *" bench-model "* ]]; then
   timeout 540 python3 -m kforge bench model --model llama3-8b --parts "${BENCH_MODEL_PARTS:-decode,batch,trace,prefill}" \

@@ -495,11 +495,12 @@ class BenchFamily(str, Enum):
     serving = "serving"
     quant = "quant"
     model = "model"
+    mla = "mla"
 
 
 @app.command("bench")
 def bench_command(
-    family: BenchFamily = typer.Argument(..., help="What to benchmark: gemm, attention, serving, quant or model."),
+    family: BenchFamily = typer.Argument(..., help="What to benchmark: gemm, attention, serving, quant, model or mla."),
     shapes: str = typer.Option("all", help="all; for gemm also squares or llm; for serving an op group (norms, "
                                "swiglu, rope, gemv, paged, norm_qkv, varlen); for quant a group (fp8, w4a16, "
                                "nvfp4-gemv, nvfp4-gemm); or a comma list of shape labels "
@@ -567,6 +568,9 @@ def bench_command(
         from kforge.bench import quant as bench
         every = bench.quant_shapes()
         groups, make_jobs, label = bench.quant_groups(every), bench.quant_jobs, bench.quant_label
+    elif family == BenchFamily.mla:
+        from kforge.bench import mla as bench
+        every, groups, make_jobs, label = bench.mla_shapes(), {}, bench.mla_jobs, bench.mla_label
     else:
         from kforge.bench import attention as bench
         every, groups = bench.attention_shapes(), {}
@@ -598,16 +602,18 @@ def bench_command(
         raise KforgeError(f"no records in {results}")
     device_name = records[0]["device"]["name"]
     results_path = None if replot else str(results)
-    if family == BenchFamily.serving:
+    if family in (BenchFamily.serving, BenchFamily.mla):
+        from kforge.bench.serving import save_serving_chart, serving_rows
         from kforge.views import serving_bench_view
 
-        rows = bench.serving_rows(records)
-        title = f"serving kernels bf16 on {device_name}: ours vs eager PyTorch and torch.compile (same run)"
+        rows = serving_rows(records, label)
+        what = "serving kernels bf16" if family == BenchFamily.serving else "MLA decode bf16"
+        title = f"{what} on {device_name}: ours vs eager PyTorch and torch.compile (same run)"
         if json_output:
             print_json({"title": title, "rows": rows})
         else:
             show(serving_bench_view(rows, title=title, results_path=results_path))
-        save_chart_or_say(bench.save_serving_chart, rows, chart, title=title)
+        save_chart_or_say(save_serving_chart, rows, chart, title=title)
         return
     if family == BenchFamily.quant:
         from kforge.views import quant_bench_view

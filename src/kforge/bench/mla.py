@@ -1,4 +1,4 @@
-"""MLA decode benchmark (issue 34): kforge's Triton split-KV kernel against a PyTorch
+"""MLA decode benchmark: kforge's Triton split-KV kernel against a PyTorch
 composition (gather the paged latent cache, SDPA over it with the heads folded into the query
 axis), at FlashMLA's shapes: B = 128, S_K in {4096, 8192, 16384}, H_Q in {16, 32, 64, 128},
 S_Q in {1, 2}, causal.

@@ -221,13 +221,15 @@ class ServingRow:
         return self.pct_of_copy(device_ms)
 
 
-def serving_rows(records: Sequence[dict]) -> list[ServingRow]:
-    """One row per shape, in the order first seen; the latest record per (shape, baseline).
-    Our own times are the medians over both evaluations' runs of our op."""
+def serving_rows(records: Sequence[dict], label: Callable[[dict], str] | None = None) -> list[ServingRow]:
+    """One row per shape (`label(record)`, serving_label by default; `kforge bench mla` passes
+    its own), in the order first seen; the latest record per (shape, baseline). Our own times
+    are the medians over both evaluations' runs of our op."""
+    label = label or serving_label
     latest: dict[tuple[str, str], dict] = {}
     order: list[str] = []
     for r in records:
-        shape = serving_label(r)
+        shape = label(r)
         if shape not in order:
             order.append(shape)
         latest[(shape, r.get("baseline", "eager"))] = r
