@@ -1,2 +1,2 @@
-"""Problems of DeepSeek's attention and decoding (issue 34): MLA decode over a paged latent
+"""Problems of DeepSeek's attention and decoding: MLA decode over a paged latent
 cache against a PyTorch composition of the same computation."""
