@@ -24,9 +24,8 @@ from kforge.kernels.quant import fp8_gemv
 from kforge.kernels.quant.formats import dequantize_fp8, quantize_fp8_blockwise
 from kforge.kernels.serving.gemv import gemv
 from kforge.runtime.cuda import CudaKernel
-from quant_gemv_sweep import ROUNDS, ceilings, copy_bandwidth_gbps, report
+from quant_gemv_sweep import GRAPHED, ROUNDS, ceilings, copy_bandwidth_gbps, report, report_graphed
 
-GRAPHED = 8
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
 # (MT, KW, XPF, MINB); MINB is the blocks an SM ptxas is asked to fit (3 caps 8 warps at 85 registers)
 VARIANTS = [(1, 8, 0, 3), (1, 8, 1, 2), (1, 8, 1, 1), (1, 4, 0, 5), (1, 4, 1, 4), (1, 16, 0, 1), (1, 16, 1, 1),
@@ -85,15 +84,7 @@ def graphed_calls(x, n, k, nbytes, copy_gbps):
     out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
     graphed = {"CUDA fp8_gemv (default)": lambda: [fp8_gemv.launch_cuda_gemv(x, q, s, out) for q, s in weights],
                "kforge bf16 gemv": lambda: [gemv(x, d) for d in dense]}
-    replays = {}
-    for name, calls in graphed.items():
-        calls()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            calls()
-        replays[name] = graph.replay
-    print(f"  {GRAPHED} calls back to back in one CUDA graph, per call (% of copy on the fp8 bytes):")
-    report({name: ms / GRAPHED for name, ms in median_ms(replays, ROUNDS // 4).items()}, nbytes, copy_gbps)
+    report_graphed(graphed, nbytes, copy_gbps, "fp8")
 
 
 def main():

@@ -50,6 +50,20 @@ def report(times, nbytes, copy_gbps):
         print(f"  {us:7.1f} us  {100 * nbytes / us / 1e3 / copy_gbps:5.1f}% of copy  {name}")
 
 
+def report_graphed(graphed, nbytes, copy_gbps, what):
+    """Each of `graphed` (name -> a function making GRAPHED calls) captured in one CUDA graph and
+    replayed: the time per call as a decode step sees it, launches back to back."""
+    replays = {}
+    for name, calls in graphed.items():
+        calls()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            calls()
+        replays[name] = graph.replay
+    print(f"  {GRAPHED} calls back to back in one CUDA graph, per call (% of copy on the {what} bytes):")
+    report({name: ms / GRAPHED for name, ms in median_ms(replays, ROUNDS // 4).items()}, nbytes, copy_gbps)
+
+
 def ceilings(fns, nbytes, stream, sink, blocks):
     """The read stream over a buffer of `nbytes` and an empty launch, added to `fns`."""
     words = np.int64(nbytes // 16)
@@ -115,15 +129,7 @@ def sweep_w4a16(copy_gbps, stream, sink, blocks):
         graphed = {"CUDA w4a16 (default)": lambda: [w4a16.launch_cuda_gemv(x, q, s, 128, out) for q, s in packed],
                    "kforge bf16 gemv": lambda: [gemv(x, d) for d in dense],
                    "cuBLAS bf16": lambda: [torch.nn.functional.linear(x, d) for d in dense]}
-        replays = {}
-        for name, calls in graphed.items():
-            calls()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                calls()
-            replays[name] = graph.replay
-        print(f"  {GRAPHED} calls back to back in one CUDA graph, per call (% of copy on the packed bytes):")
-        report({name: ms / GRAPHED for name, ms in median_ms(replays, ROUNDS // 4).items()}, nbytes, copy_gbps)
+        report_graphed(graphed, nbytes, copy_gbps, "packed")
 
 
 def sweep_w4a16_batch(copy_gbps, stream, sink, blocks):
