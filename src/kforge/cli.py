@@ -323,7 +323,7 @@ def suite_command(
                                          "least this, for each baseline, instead of only when every pair passed.",
                                          show_default=False),
     executor: SuiteExecutor = typer.Option(SuiteExecutor.local, help="Where the pairs run: local (this machine's "
-                                           "GPUs, --gpus) or ray (one Ray task per pair on a cluster; "
+                                           "GPUs, --gpus) or ray (one judge per GPU of a cluster; "
                                            "pip install 'kforge[ray]'; docs/scale-out.md)."),
     address: str = typer.Option(None, help="With --executor ray: the cluster's address (auto: the cluster this "
                                 "machine belongs to). Default: start a Ray instance on this machine for the run.",

@@ -1,5 +1,5 @@
 """The Ray executor on a local Ray cluster of two logical GPUs (the pairs run on the CPU):
-pairs spread over the GPUs in fresh processes, the same table as the local executor, a
+pairs spread over the GPUs, one judge a GPU, the same table as the local executor, a
 Ray worker killed under the judge (retried once, then a crash record), a node of another
 device refused, and a driver killed with SIGKILL that resumes without redoing a pair."""
 
@@ -86,14 +86,18 @@ def both(cluster, tmp_path_factory):
                 records=ResultStore(folder / "ray.jsonl").latest())
 
 
-def test_pairs_spread_over_the_logical_gpus_each_in_a_fresh_ray_worker(both):
+def test_pairs_spread_over_the_logical_gpus_one_judge_a_gpu(both):
     starts = both["starts"]
     assert sorted(name for name, _ in starts) == ["a_rows", "b_exit", "c_zeroes", "d_lazy"]  # each once
     assert {where.gpu for _, where in starts} == set(range(GPUS))
     assert all(where.attempt == 1 and where.node for _, where in starts)
-    pids = [where.pid for _, where in starts]
-    assert len(set(pids)) == len(pids) and os.getpid() not in pids, "one Ray worker process per pair"
+    judges = {where.gpu: set() for _, where in starts}
+    for _, where in starts:
+        judges[where.gpu].add(where.pid)
+    assert all(len(pids) == 1 for pids in judges.values()), "one judge process a GPU, for all its pairs"
+    assert len({pid for pids in judges.values() for pid in pids}) == GPUS and os.getpid() not in judges[0]
     assert both["ray"].ran == 4
+    assert all(_gone(pid) for pids in judges.values() for pid in pids), "the judges end with the run"
 
 
 def test_records_from_ray_carry_the_suites_keys_the_driver_paths_and_the_device(both, cluster):

@@ -1,22 +1,27 @@
 """Where a suite's pairs are evaluated: this machine's GPUs, or a Ray cluster.
 
     LocalExecutor(slots=[0, 1])            one worker per local GPU (None: the CPU) at a time
-    RayExecutor(address="10.0.0.1:6379")   one Ray task per pair, anywhere on the cluster
+    RayExecutor(address="10.0.0.1:6379")   one judge per slot of the cluster, a pair at a time
 
 Either way each pair is judged by `evaluate_isolated` (isolation.py), in fresh worker
 processes with the judge's per-stage deadlines, and each record is handed back to the one
 caller that writes the store (suite.py): the executors evaluate, they never write.
 
-The Ray executor, for each pair:
+The Ray executor starts one judge per slot of the cluster (a Ray actor holding `resources`,
+default one GPU: as many as the nodes' resources hold) and hands each a pair at a time:
 
-- holds `resources` (default one GPU) for one task, in a Ray worker process of its own
-  (`max_calls=1`): the judge's CUDA context, and the workers it starts, serve one pair;
+- the judge's process runs only kforge's code, as the local executor's threads do; each
+  candidate still runs in fresh worker processes of its own, started for its pair. Keeping
+  the judge saves each pair a Ray worker's start, torch's import and a CUDA context (about
+  2.5 s a pair on an H200 when every pair had its own Ray worker); a judge whose CUDA context
+  stops working exits before its next pair, and is replaced;
 - ships the problem's and the candidate's files by content, written to a temporary folder
   on the node (no shared filesystem), and keeps the driver's paths in the record;
 - refuses a node whose kforge harness differs from the driver's (`harness_fingerprint`)
   or whose device is not the suite's (a suite's speedups compare one kind of device);
-- retries a task whose process died (the node, or the Ray worker under the judge) once;
-  a second death becomes a `crash` record (`oom` when Ray's memory monitor killed it).
+- retries a pair whose judge died (the node, or the Ray worker under the judge) once, on a
+  new judge; a second death becomes a `crash` record (`oom` when Ray's memory monitor
+  killed it).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import queue
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -230,6 +235,35 @@ def _probe_node() -> tuple[str, str, str]:
     return _node_ip(), visible_device_name(), harness_fingerprint()
 
 
+class PairJudge:
+    """A Ray actor: one slot of the cluster, judging the pairs it is handed one after another."""
+
+    def describe(self) -> tuple[str, str, str]:
+        """(node, device name, harness fingerprint); also imports torch before the first pair."""
+        return _probe_node()
+
+    def judge(self, job: Shipped, options: dict, device_name: str, check_device: bool, fingerprint: str,
+              events) -> EvalRecord | Refused:
+        _exit_if_context_broken()
+        return _evaluate_shipped(job, options, device_name, check_device, fingerprint, events)
+
+
+def _exit_if_context_broken() -> None:
+    """A judge whose CUDA context no longer works (a GPU error its own process saw) must not
+    judge another pair: the actor exits, and the driver retries the pair on a new one."""
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return
+    try:
+        torch.ones(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError:
+        import ray
+
+        ray.actor.exit_actor()
+
+
 def _evaluate_shipped(job: Shipped, options: dict, device_name: str, check_device: bool, fingerprint: str,
                       events) -> EvalRecord | Refused:
     """The task: write the shipped files on this node, judge them, return the record."""
@@ -288,6 +322,7 @@ class RayExecutor(Executor):
         self.mix_devices = mix_devices
         self._connected_here = False
         self._nodes: dict[str, str] | None = None
+        self._judges: list | None = None  # the PairJudge actors, one per slot, while a run needs them
         self.fingerprint = harness_fingerprint()
 
     # -- the cluster ------------------------------------------------------------------------
@@ -303,6 +338,8 @@ class RayExecutor(Executor):
         self._connected_here = True
 
     def close(self) -> None:
+        if self.ray.is_initialized():
+            self._stop_judges()
         if self._connected_here and self.ray.is_initialized():
             self.ray.shutdown()
         self._connected_here = False
@@ -329,19 +366,37 @@ class RayExecutor(Executor):
                               "on a cluster without GPUs pass --ray-resources CPU=1")
         return able
 
-    def nodes(self) -> dict[str, str]:
-        """{node address: device name} of every node able to run a pair, probed once by a task
-        on each node holding a pair's resources. Refuses a node whose harness is not ours."""
-        if self._nodes is None:
+    def _slots(self, node: dict) -> int:
+        """How many pairs' resources this node holds at once."""
+        return int(min(node["Resources"].get(k, 0.0) // v for k, v in self.resources.items()))
+
+    def _new_judge(self, node_id: str | None = None):
+        options = dict(max_restarts=0, **self._task_options())
+        if node_id is not None:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        return self.ray.remote(**options)(PairJudge).remote()
+
+    def _start_judges(self) -> list:
+        if self._judges is None:
             self.connect()
-            probe = self.ray.remote(max_calls=1, **self._task_options())(_probe_node)
-            refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-                    .remote() for n in self._able_nodes()]
+            self._judges = [self._new_judge(n["NodeID"]) for n in self._able_nodes() for _ in range(self._slots(n))]
+        return self._judges
+
+    def _stop_judges(self) -> None:
+        for judge in self._judges or []:
+            self.ray.kill(judge)
+        self._judges = None
+
+    def nodes(self) -> dict[str, str]:
+        """{node address: device name} of every node able to run a pair, as its judges describe
+        it. Refuses a node whose harness is not ours."""
+        if self._nodes is None:
             found = {}
-            for node, device, fingerprint in self.ray.get(refs):
+            for node, device, fingerprint in self.ray.get([j.describe.remote() for j in self._start_judges()]):
                 if fingerprint != self.fingerprint:
+                    self._stop_judges()
                     raise KforgeError(f"node {node} runs another kforge harness ({fingerprint}, the driver "
                                       f"{self.fingerprint}): install the same kforge on every node")
                 found[node] = device
@@ -359,15 +414,13 @@ class RayExecutor(Executor):
         from ray.util.queue import Queue
 
         ray = self.ray
-        self.connect()
+        idle = list(self._start_judges())
         events = Queue(actor_options={"num_cpus": 0}) if on_start else None
-        task = ray.remote(max_calls=1, max_retries=RETRIES, retry_exceptions=False,
-                          **self._task_options())(_evaluate_shipped)
         shared = ray.put(options)
         by_index = dict(enumerate(jobs))
-        pending = {task.remote(ship(index, job), shared, device_name, not self.mix_devices, self.fingerprint,
-                               events): index
-                   for index, job in by_index.items()}
+        waiting = deque(by_index)
+        running: dict = {}  # the pair's result -> (its index, the judge running it)
+        tries: Counter[int] = Counter()
         starts: Counter[int] = Counter()
         last_node: dict[int, str] = {}
 
@@ -385,28 +438,50 @@ class RayExecutor(Executor):
                                                             starts[started.index]))
 
         try:
-            while pending:
+            while waiting or running:
+                while waiting and idle:
+                    index, judge = waiting.popleft(), idle.pop()
+                    tries[index] += 1
+                    ref = judge.judge.remote(ship(index, by_index[index]), shared, device_name, not self.mix_devices,
+                                             self.fingerprint, events)
+                    running[ref] = (index, judge)
                 drain()
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
+                ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
                 drain()
                 for ref in ready:
-                    index = pending.pop(ref)
+                    index, judge = running.pop(ref)
                     job = by_index[index]
                     try:
                         result = ray.get(ref)
                     except RayTaskError as exc:  # kforge raised on the node: raised here, as locally
+                        idle.append(judge)
                         raise (exc.cause if isinstance(exc.cause, BaseException) else exc) from exc
-                    except RayError as exc:
-                        status = "oom" if isinstance(exc, OutOfMemoryError) else "crash"
+                    except RayError as exc:  # the judge died under the pair: a new judge, the pair once more
+                        ray.kill(judge)
+                        self._judges.remove(judge)
+                        self._judges.append(self._new_judge())
+                        idle.append(self._judges[-1])
+                        if tries[index] <= RETRIES:
+                            waiting.appendleft(index)
+                            continue
+                        status = "oom" if isinstance(exc, OutOfMemoryError) or _memory_killed(exc) else "crash"
                         result = died_record(job, options, device_name, exc, status, last_node.get(index))
+                    else:
+                        idle.append(judge)
                     if isinstance(result, Refused):
                         raise KforgeError(f"node {result.node} cannot judge {job.name}: {result.reason}")
                     on_record(job, result)
         finally:
-            for ref in pending:  # an interrupt, or a refusal: nothing keeps running for a store no one writes
-                ray.cancel(ref, force=True)
+            # an interrupt, a refusal, or the end: nothing keeps running or holding a GPU for a store no one writes
+            self._stop_judges()
             if events is not None:
                 events.shutdown()
+
+
+def _memory_killed(exc: Exception) -> bool:
+    """Whether Ray's memory monitor ended the judge (an actor's death says so only in words)."""
+    text = str(exc).lower()
+    return "low on memory" in text or "memory pressure" in text or "out of memory" in text
 
 
 def ship(index: int, job: Job) -> Shipped:
@@ -423,12 +498,12 @@ def died_record(job: Job, options: dict, device_name: str, exc: Exception, statu
 
     first = str(exc).strip().splitlines()
     where = f" on {node}" if node else ""
-    reason = (f"the Ray task judging this pair died{where} on each of its {1 + RETRIES} attempts "
+    reason = (f"the Ray worker judging this pair died{where} on each of its {1 + RETRIES} attempts "
               f"({type(exc).__name__}: {first[0][:300] if first else 'no reason given'})")
     return EvalRecord(status=status, reason=reason, details=str(exc)[-4000:] or None, problem=identity(job.problem),
                       candidate=identity(job.candidate), device={"kind": "unknown", "name": device_name},
                       versions={}, baseline=options.get("baseline", "eager"), pair_key=job.key)
 
 
-__all__ = ["Executor", "Job", "LocalExecutor", "Placement", "RayExecutor", "harness_fingerprint",
+__all__ = ["Executor", "Job", "LocalExecutor", "PairJudge", "Placement", "RayExecutor", "harness_fingerprint",
            "parse_resources", "suite_device"]

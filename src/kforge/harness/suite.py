@@ -2,7 +2,7 @@
 
     pairs = discover(problems_dir, solutions_dir)     # matched by file name
     summary = run_suite(pairs, store, slots=[0, 1], device_name=name)   # one worker per GPU at a time
-    summary = run_suite(pairs, store, executor=RayExecutor(address))    # one Ray task per pair (executors.py)
+    summary = run_suite(pairs, store, executor=RayExecutor(address))    # one judge per GPU of a Ray cluster
 
 fast_p (KernelBench's, with gate 2's statistics): the share of ALL problems whose candidate
 is correct and measurably more than p times faster than the reference: for p >= 1 its
