@@ -341,7 +341,7 @@ def suite_command(
     `kforge suite level1 --solutions builtin` runs kforge's Level 1 suite with its own
     solutions. Pairs already in --results are skipped, so an interrupted suite resumes where
     it stopped; with --baseline both the eager and the torch.compile records share the store.
-    With --executor ray the pairs run on a Ray cluster, one task per pair, and this process
+    With --executor ray the pairs run on a Ray cluster, one judge per GPU, and this process
     alone writes --results (docs/scale-out.md).
     """
     import json
@@ -1117,6 +1117,14 @@ def machine_command(
     keep_going: bool = typer.Option(False, "--keep-going", help="Go on after a sample passed (for a faster kernel)."),
     gpus: str = typer.Option(None, help="GPUs to judge on, e.g. 0,1: one evaluation on each at a time. "
                              "Default: every visible GPU, or the CPU where there is none.", show_default=False),
+    executor: SuiteExecutor = typer.Option(SuiteExecutor.local, help="Where the attempts are judged: local (this "
+                                           "machine's GPUs, --gpus) or ray (one judge per GPU of a Ray cluster, "
+                                           "as kforge suite; docs/scale-out.md)."),
+    address: str = typer.Option(None, help="With --executor ray: the cluster's address (auto: the cluster this "
+                                "machine belongs to). Default: start a Ray instance on this machine for the run.",
+                                show_default=False),
+    ray_resources: str = typer.Option(None, "--ray-resources", help="With --executor ray: what each judge holds, "
+                                      "NAME=AMOUNT separated by commas. Default: GPU=1.", show_default=False),
     results: Path = typer.Option(None, help="JSONL store of the attempts (default: machine-<problem>.jsonl in "
                                  "$KFORGE_RESULTS_DIR, else in ./kforge-results/).", show_default=False),
     time_budget: float = typer.Option(10.0, min=0.1, help="Seconds of timed rounds per evaluation at most."),
@@ -1145,7 +1153,8 @@ def machine_command(
         raise KforgeError("--manual and --base-url contradict each other: choose one")
     if manual is None and not model:
         raise KforgeError("give --model (the model the endpoint serves), or --manual DIR")
-    slots, device_name = _slots(gpus)
+    runner = _machine_executor(executor, gpus, address, ray_resources)
+    slots, device_name = ([], None) if runner else _slots(gpus)
     device = current_device()
     facts = problem_facts(problem, device)
     results = results or default_results(f"machine-{facts.name}.jsonl")
@@ -1172,8 +1181,21 @@ def machine_command(
                                                                   else ""), markup=False, highlight=False)
 
     with _store_warnings():
-        run = run_machine(settings, client, AttemptStore(results), facts=facts, messages=messages, slots=slots,
-                          device_name=device_name, options=options, on_attempt=said)
+        if runner is None:
+            run = run_machine(settings, client, AttemptStore(results), facts=facts, messages=messages, slots=slots,
+                              device_name=device_name, options=options, on_attempt=said)
+        else:
+            with runner:
+                device_name = runner.device_name  # each judge reports its node's device
+                if device_name != device.name:
+                    raise KforgeError(f"the prompt describes this machine's {device.name}, but the cluster's "
+                                      f"judges run on {device_name}: start kforge machine on a node of the cluster")
+                del options["ceilings"]  # each node's judges use their own GPU's ceilings
+                with runner.evaluator(options=options, device_name=device_name) as judge:
+                    run = run_machine(settings, client, AttemptStore(results), facts=facts, messages=messages,
+                                      slots=[None] * runner.slot_count, device_name=device_name, options=options,
+                                      on_attempt=said, evaluate=lambda problem, candidate, _gpu: judge(problem,
+                                                                                                        candidate))
         found = scores(run.attempts)
     if run.attempts:
         show(_machine_view(run, found, results))
@@ -1187,6 +1209,20 @@ def machine_command(
     if run.waiting:
         raise typer.Exit(0)
     raise typer.Exit(0 if any(a["status"] == "passed" for a in run.attempts) else 1)
+
+
+def _machine_executor(executor, gpus: str | None, address: str | None, ray_resources: str | None):
+    """The Ray executor `kforge machine` judges on, or None for this machine's GPUs."""
+    if executor is SuiteExecutor.local:
+        if address or ray_resources:
+            raise KforgeError("--address and --ray-resources are for --executor ray")
+        return None
+    if gpus:
+        raise KforgeError("--gpus picks this machine's GPUs; with --executor ray, --ray-resources says what each "
+                          "judge holds")
+    from kforge.harness.executors import RayExecutor, parse_resources
+
+    return RayExecutor(address, parse_resources(ray_resources or "GPU=1"))
 
 
 def _machine_view(run, found, results: Path):

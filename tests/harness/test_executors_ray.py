@@ -202,3 +202,27 @@ def test_a_driver_killed_with_sigkill_resumes_without_losing_or_redoing_pairs(cl
     after = store.read_text().splitlines()
     assert len(after) == 3 and after[:len(before)] == before, "nothing lost, nothing redone"
     assert len({json.loads(line)["pair_key"] for line in after}) == 3
+
+
+def test_the_machine_loops_evaluator_judges_pairs_as_they_come_on_every_judge(cluster):
+    """`kforge machine --executor ray`: calls from the loop's threads at once, each on a free
+    judge, a crash recorded as locally; the same statuses as the local executor's evaluator."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kforge.harness.executors import LocalExecutor
+
+    pairs = [(FIXTURES / "problems" / "row_sums.py", FIXTURES / "candidates" / "vectorized_row_sums.py"),
+             (FIXTURES / "problems" / "add.py", FIXTURES / "candidates" / "crash_exit.py")] * 2
+    executor = RayExecutor()
+    with executor, executor.evaluator(options=options(cluster), device_name=cluster["cpu"].name) as judge:
+        assert executor.slot_count == GPUS
+        with ThreadPoolExecutor(max_workers=len(pairs)) as pool:
+            on_ray = list(pool.map(lambda pair: judge(*pair), pairs))
+        assert executor._judges is not None, "the judges serve the whole context"
+    assert executor._judges is None
+    local = LocalExecutor([None], cluster["cpu"].name)
+    with local.evaluator(options=options(cluster), device_name=cluster["cpu"].name) as judge:
+        here = [judge(*pair) for pair in pairs]
+    assert [r.status for r in on_ray] == [r.status for r in here] == ["passed", "crash"] * 2
+    assert all(r.device["name"] == cluster["cpu"].name for r in on_ray if r.status == "passed")
+    assert on_ray[0].speedup == pytest.approx(here[0].speedup)  # scripted: 2x

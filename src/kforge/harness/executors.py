@@ -33,8 +33,9 @@ import shutil
 import tempfile
 from abc import ABC, abstractmethod
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +76,7 @@ class Job:
 
 OnStart = Callable[[Job, Placement], None]
 OnRecord = Callable[[Job, EvalRecord], None]
+Evaluate = Callable[[Path, Path], EvalRecord]
 
 
 class Executor(ABC):
@@ -90,6 +92,17 @@ class Executor(ABC):
             on_record: OnRecord) -> None:
         """Evaluate every job with evaluate_isolated(**options); `on_record` is the only way
         out for a record. An exception from `on_record` (an interrupt) stops the run."""
+
+    @abstractmethod
+    def evaluator(self, *, options: dict, device_name: str) -> AbstractContextManager[Evaluate]:
+        """For callers that judge pairs as they come (the machine loop): a thread-safe
+        evaluate(problem, candidate) -> record, one pair per slot at a time, the slots held
+        until the context ends."""
+
+    @property
+    @abstractmethod
+    def slot_count(self) -> int:
+        """How many pairs run at once."""
 
     def close(self) -> None:
         """Release what the executor holds (a Ray connection it made)."""
@@ -134,6 +147,27 @@ class LocalExecutor(Executor):
         with ThreadPoolExecutor(max_workers=len(self.slots)) as pool:
             for future in [pool.submit(evaluate, job) for job in jobs]:
                 future.result()
+
+    @property
+    def slot_count(self) -> int:
+        return len(self.slots)
+
+    @contextmanager
+    def evaluator(self, *, options: dict, device_name: str) -> Iterator[Evaluate]:
+        from kforge.harness.isolation import evaluate_isolated
+
+        free: queue.Queue[int | None] = queue.Queue()
+        for slot in self.slots:
+            free.put(slot)
+
+        def evaluate(problem: Path, candidate: Path) -> EvalRecord:
+            gpu = free.get()
+            try:
+                return evaluate_isolated(problem, candidate, gpu=gpu, device_name=device_name, **options)
+            finally:
+                free.put(gpu)
+
+        yield evaluate
 
 
 # --- Ray --------------------------------------------------------------------------------
@@ -384,6 +418,13 @@ class RayExecutor(Executor):
             self._judges = [self._new_judge(n["NodeID"]) for n in self._able_nodes() for _ in range(self._slots(n))]
         return self._judges
 
+    def _replace(self, judge):
+        """A new judge for one that died (anywhere with a slot free: its node may be gone)."""
+        self.ray.kill(judge)
+        self._judges.remove(judge)
+        self._judges.append(self._new_judge())
+        return self._judges[-1]
+
     def _stop_judges(self) -> None:
         for judge in self._judges or []:
             self.ray.kill(judge)
@@ -406,6 +447,51 @@ class RayExecutor(Executor):
     @property
     def device_name(self) -> str:
         return suite_device(self.nodes(), self.mix_devices)
+
+    @property
+    def slot_count(self) -> int:
+        return len(self._start_judges())
+
+    @contextmanager
+    def evaluator(self, *, options: dict, device_name: str) -> Iterator[Evaluate]:
+        """Each call takes a free judge (waiting for one), as `run` hands out pairs; a judge that
+        dies under a pair is replaced and the pair tried once more, then recorded as `crash`."""
+        import threading
+
+        from ray.exceptions import OutOfMemoryError, RayError, RayTaskError
+
+        ray = self.ray
+        idle: queue.Queue = queue.Queue()
+        for judge in self._start_judges():
+            idle.put(judge)
+        shared, lock = ray.put(options), threading.Lock()
+
+        def evaluate(problem: Path, candidate: Path) -> EvalRecord:
+            job = Job(candidate.name, Path(problem), Path(candidate), key="")
+            for attempt in range(1 + RETRIES):
+                judge = idle.get()
+                try:
+                    result = ray.get(judge.judge.remote(ship(attempt, job), shared, device_name, not self.mix_devices,
+                                                        self.fingerprint, None))
+                except RayTaskError as exc:
+                    idle.put(judge)
+                    raise (exc.cause if isinstance(exc.cause, BaseException) else exc) from exc
+                except RayError as exc:
+                    with lock:
+                        idle.put(self._replace(judge))
+                    died = exc
+                    continue
+                idle.put(judge)
+                if isinstance(result, Refused):
+                    raise KforgeError(f"node {result.node} cannot judge {job.name}: {result.reason}")
+                return result
+            status = "oom" if isinstance(died, OutOfMemoryError) or _memory_killed(died) else "crash"
+            return died_record(job, options, device_name, died, status, None)
+
+        try:
+            yield evaluate
+        finally:
+            self._stop_judges()
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -457,10 +543,7 @@ class RayExecutor(Executor):
                         idle.append(judge)
                         raise (exc.cause if isinstance(exc.cause, BaseException) else exc) from exc
                     except RayError as exc:  # the judge died under the pair: a new judge, the pair once more
-                        ray.kill(judge)
-                        self._judges.remove(judge)
-                        self._judges.append(self._new_judge())
-                        idle.append(self._judges[-1])
+                        idle.append(self._replace(judge))
                         if tries[index] <= RETRIES:
                             waiting.appendleft(index)
                             continue
@@ -502,7 +585,7 @@ def died_record(job: Job, options: dict, device_name: str, exc: Exception, statu
               f"({type(exc).__name__}: {first[0][:300] if first else 'no reason given'})")
     return EvalRecord(status=status, reason=reason, details=str(exc)[-4000:] or None, problem=identity(job.problem),
                       candidate=identity(job.candidate), device={"kind": "unknown", "name": device_name},
-                      versions={}, baseline=options.get("baseline", "eager"), pair_key=job.key)
+                      versions={}, baseline=options.get("baseline", "eager"), pair_key=job.key or None)
 
 
 __all__ = ["Executor", "Job", "LocalExecutor", "PairJudge", "Placement", "RayExecutor", "harness_fingerprint",
