@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -110,6 +111,7 @@ def test_records_from_ray_carry_the_suites_keys_the_driver_paths_and_the_device(
         record = records[keys[pair.name]]
         assert record["candidate"]["path"] == str(pair.candidate) and record["problem"]["path"] == str(pair.problem)
         assert record["device"]["name"] == cluster["cpu"].name
+        assert record["device"]["host"] == socket.gethostname()  # the node that judged it
     assert both["executor"].nodes() and set(both["executor"].nodes().values()) == {cluster["cpu"].name}
 
 

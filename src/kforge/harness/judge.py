@@ -31,6 +31,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -641,6 +642,7 @@ class Judge:
         if getattr(self, "problem_meta", None):
             problem.update(size=self.problem_meta["size"], tags=self.problem_meta["tags"])
         device = self.hello.get("device") or {"kind": "unknown", "name": self.device_name or "unknown"}
+        device = {**device, "host": socket.gethostname()}  # the node that judged (a cluster's suite names it)
         candidate = identity(self.candidate)
         key = pair_key(problem["sha256"], candidate["sha256"], self.baseline, self.size,
                        self.device_name or device.get("name", "unknown"))
