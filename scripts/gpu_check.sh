@@ -26,6 +26,10 @@
 #   fp8-gemv   (the FP8 decode GEMV's GPU tests, and the engine's FP8 decode through it)
 #   deepseek   (chain speculative sampling and MLA decode on the GPU)
 #   bench-mla   (kforge bench mla: FlashMLA's shapes against the eager and compiled compositions; MLA_SHAPES)
+#   bench-moe   (kforge bench moe: the grouped GEMMs in bf16 and FP8 against torch._grouped_mm and per-expert loops,
+#                DeepSeek-V3's MoE layer against a _grouped_mm composition, split by stage; MOE_SHAPES picks groups
+#                or labels, default all: bf16, fp8, gemm, layer, deepgemm, experts; cut at MOE_SECONDS, default 420,
+#                then the table is redrawn from the records that landed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUMNS=150
@@ -198,6 +202,14 @@ if [[ $parts == *" deepseek "* ]]; then
 fi
 if [[ $parts == *" bench-mla "* ]]; then
   python3 -m kforge bench mla --shapes "${MLA_SHAPES:-all}" --results "$out/bench-mla.jsonl" 2>&1 | tee "$out/bench-mla.txt"
+fi
+if [[ $parts == *" bench-moe "* ]]; then
+  timeout "${MOE_SECONDS:-420}" python3 -m kforge bench moe --shapes "${MOE_SHAPES:-all}" \
+    --results "$out/bench-moe.jsonl" 2>&1 | tee "$out/bench-moe.txt"
+  if [[ ${PIPESTATUS[0]} == 124 && -s "$out/bench-moe.jsonl" ]]; then
+    echo "bench-moe: cut at ${MOE_SECONDS:-420} s; the records that landed:" | tee -a "$out/bench-moe.txt"
+    python3 -m kforge bench moe --replot --results "$out/bench-moe.jsonl" 2>&1 | tee -a "$out/bench-moe.txt"
+  fi
 fi
 if [[ $parts == *" bench-model "* ]]; then
   timeout 540 python3 -m kforge bench model --model llama3-8b --parts "${BENCH_MODEL_PARTS:-decode,batch,trace,prefill}" \

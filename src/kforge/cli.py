@@ -496,14 +496,17 @@ class BenchFamily(str, Enum):
     quant = "quant"
     model = "model"
     mla = "mla"
+    moe = "moe"
 
 
 @app.command("bench")
 def bench_command(
-    family: BenchFamily = typer.Argument(..., help="What to benchmark: gemm, attention, serving, quant, model or mla."),
+    family: BenchFamily = typer.Argument(..., help="What to benchmark: gemm, attention, serving, quant, model, mla "
+                                         "or moe."),
     shapes: str = typer.Option("all", help="all; for gemm also squares or llm; for serving an op group (norms, "
                                "swiglu, rope, gemv, paged, norm_qkv, varlen); for quant a group (fp8, w4a16, "
-                               "nvfp4-gemv, nvfp4-gemm); or a comma list of shape labels "
+                               "nvfp4-gemv, nvfp4-gemm); for moe a group (bf16, fp8, gemm, layer, deepgemm, "
+                               "experts); or a comma list of shape labels "
                                "(gemm: 1024^3, '8B qkv M=16', ...; attention: 'full N=4096 D=128', "
                                "'causal N=512 D=64', ...)."),
     time_budget: float = typer.Option(1.0, min=0.1, help="Seconds of timed rounds per evaluation at most."),
@@ -536,7 +539,8 @@ def bench_command(
     efficient), serving kernels vs eager PyTorch and torch.compile (GB/s, % of copy),
     low-precision kernels vs torch._scaled_mm and bf16 cuBLAS on the same numbers; the
     Llama engine vs transformers and a compiled gpt-fast-style model (tok/s, % of the
-    weight-bandwidth floor)."""
+    weight-bandwidth floor); MoE grouped GEMMs (bf16, FP8) vs torch._grouped_mm and
+    per-expert loops, and DeepSeek-V3's MoE layer vs a PyTorch composition, split by stage."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from kforge.bench import bench_rows, run_bench, save_bench_chart
@@ -571,6 +575,10 @@ def bench_command(
     elif family == BenchFamily.mla:
         from kforge.bench import mla as bench
         every, groups, make_jobs, label = bench.mla_shapes(), {}, bench.mla_jobs, bench.mla_label
+    elif family == BenchFamily.moe:
+        from kforge.bench import moe as bench
+        every = bench.moe_shapes()
+        groups, make_jobs, label = bench.moe_groups(every), bench.moe_jobs, bench.moe_label
     else:
         from kforge.bench import attention as bench
         every, groups = bench.attention_shapes(), {}
@@ -598,6 +606,10 @@ def bench_command(
             records = run_bench(make_jobs(chosen), time_budget=time_budget, results=results,
                                 command=shlex.join(["kforge", *sys.argv[1:]]),
                                 on_step=lambda text: progress.update(task, description=text))
+            if family == BenchFamily.moe:  # the layer's time by stage, in process (bench/moe.py)
+                records += bench.run_moe_stages(chosen, time_budget=time_budget, results=results,
+                                                command=shlex.join(["kforge", *sys.argv[1:]]),
+                                                on_step=lambda text: progress.update(task, description=text))
     if not records:
         raise KforgeError(f"no records in {results}")
     device_name = records[0]["device"]["name"]
@@ -614,6 +626,18 @@ def bench_command(
         else:
             show(serving_bench_view(rows, title=title, results_path=results_path))
         save_chart_or_say(save_serving_chart, rows, chart, title=title)
+        return
+    if family == BenchFamily.moe:
+        from kforge.views import moe_bench_view
+
+        rows, stages = bench.moe_rows(records), bench.moe_stage_tables(records)
+        title = f"MoE grouped GEMMs and DeepSeek-V3 layer on {device_name}: ours vs PyTorch (same run)"
+        if json_output:
+            print_json({"title": title, "rows": rows, "stages": stages})
+        else:
+            show(moe_bench_view(rows, stages, title=title, results_path=results_path))
+        if rows:
+            save_chart_or_say(bench.save_moe_chart, rows, chart, title=title)
         return
     if family == BenchFamily.quant:
         from kforge.views import quant_bench_view

@@ -405,6 +405,8 @@ def results_markdown(root: Path) -> str:
                 lines += _serving_markdown(records)
             elif records and jsonl.stem == "bench-model":
                 lines += _model_markdown(records)
+            elif records and jsonl.stem == "bench-moe":
+                lines += _moe_markdown(records)
             elif records and jsonl.stem.startswith("suite-"):
                 lines += _suite_scores_markdown(jsonl.stem, records) + _records_markdown(jsonl.stem, records)[2:]
             elif records:
@@ -594,3 +596,86 @@ def quant_bench_view(rows, *, title: str, results_path: str | None) -> Group:
     if results_path:
         parts.append(Text(f"records appended to {results_path}", style="dim"))
     return Group(*parts)
+
+
+def moe_bench_view(rows, stages, *, title: str, results_path: str | None) -> Group:
+    """`kforge bench moe`: one line per (shape, baseline): our device time, TFLOP/s and GB/s on it,
+    the % of the roof, the baseline's device time and TFLOP/s, our speedup, issue 33's bar where it
+    sets one; then each layer shape's time by stage (`bench/moe.py`)."""
+    table = Table(title=title, title_justify="left")
+    for column in ("shape", "vs", "ours device", "TFLOP/s", "GB/s", "% of roof", "baseline device", "baseline TFLOP/s",
+                   "speedup", "target", "status"):
+        table.add_column(column, justify="left" if column in ("shape", "vs", "target", "status") else "right")
+    for r in rows:
+        roof = r.pct_of_roof if r.ok else None
+        target = "-" if r.target is None else f"{r.target}: {'-' if r.met is None else ('met' if r.met else 'missed')}"
+        table.add_row(r.shape, r.baseline, fmt_ms(r.ours_device_ms), _num(r.tflops if r.ok else None, "{:,.0f}"),
+                      _num(r.gbps if r.ok else None, "{:,.0f}"),
+                      "-" if roof is None else f"{roof:.1f}% {'mm' if r.bound == 'compute' else 'copy'}",
+                      fmt_ms(r.baseline_device_ms), _num(r.baseline_tflops if r.ok else None, "{:,.0f}"),
+                      _num(r.speedup if r.ok else None, "{:.2f}x"),
+                      Text(target, style="red" if r.met is False else None),
+                      Text(r.status, style=None if r.ok else "red"))
+    note = ("ours device / baseline device: median device time per call; TFLOP/s and GB/s (the problem's minimum "
+            "bytes) from ours' device time, baseline TFLOP/s from the baseline's; % of roof: the floor (the "
+            "minimum bytes at the measured copy bandwidth, or the FLOPs at the measured matmul rate of the "
+            "problem's dtype, mm) over our device time; speedup: the baseline's median of max(device, host) time "
+            "over ours, timed interleaved in the same evaluation; target: issue 33's bar")
+    parts = [table, Text(note, style="dim")]
+    parts += [Text(f"{r.shape} vs {r.baseline}: {r.status}: {r.reason}", style="red") for r in rows if r.reason]
+    for s in stages:
+        if s.status != "ok":
+            parts.append(Text(f"{s.shape} by stage: {s.status}: {s.reason}", style="red"))
+            continue
+        padded = f", {s.rows_used:,} rows computed by ours" if s.rows_used else ""
+        split = Table(title=f"{s.shape} by stage ({s.assignments:,} assignments{padded})", title_justify="left")
+        for column in ("stage", "ours", "% of ours", "composition", "% of comp.", "comp. / ours"):
+            split.add_column(column, justify="left" if column == "stage" else "right")
+        for line in s.lines:
+            whole = line.stage in ("sum of stages", "whole layer")
+            split.add_row(line.stage, fmt_ms(line.ours_ms), "" if whole else fmt_pct(s.share(line, "ours")),
+                          fmt_ms(line.composition_ms), "" if whole else fmt_pct(s.share(line, "composition")),
+                          _num(line.ratio, "{:.2f}x"), style="bold" if line.stage == "whole layer" else None)
+        parts.append(split)
+    if stages:
+        parts.append(Text("by stage: each stage alone on the outputs of the one before it, median device time, "
+                          "interleaved with the other stages and both whole layers, L2 flushed before every "
+                          "call; the whole layer's line is timed the same way (not the judge's figure above)",
+                          style="dim"))
+    if results_path:
+        parts.append(Text(f"records appended to {results_path}", style="dim"))
+    return Group(*parts)
+
+
+def _moe_markdown(records: list[dict]) -> list[str]:
+    """`kforge bench moe`: one line per (shape, baseline), then each layer shape's time by stage."""
+    from kforge.bench.moe import moe_rows, moe_stage_tables
+
+    out = ["### bench-moe", "", "Rates from device time; % of roof: the floor over our device time (mm: the matmul "
+           "rate bounds it, copy: the bandwidth); speedups from the harness time, each against its baseline in the "
+           "same evaluation; target: issue 33's bar.", "",
+           "| shape | vs | ours (device) | TFLOP/s | GB/s | % of roof | baseline (device) | speedup | target | "
+           "status |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in moe_rows(records):
+        roof = r.pct_of_roof if r.ok else None
+        target = "-" if r.target is None else f"{r.target}: {'-' if r.met is None else ('met' if r.met else 'missed')}"
+        out.append(f"| {r.shape} | {r.baseline} | {fmt_ms(r.ours_device_ms)} | "
+                   f"{_num(r.tflops if r.ok else None, '{:,.0f}')} | {_num(r.gbps if r.ok else None, '{:,.0f}')} | "
+                   f"{'-' if roof is None else f'{roof:.1f}%' + (' mm' if r.bound == 'compute' else ' copy')} | "
+                   f"{fmt_ms(r.baseline_device_ms)} | {_num(r.speedup if r.ok else None, '{:.2f}x')} | {target} | "
+                   f"{r.status} |")
+    for s in moe_stage_tables(records):
+        if s.status != "ok":
+            out += ["", f"{s.shape} by stage: {s.status}: {s.reason}"]
+            continue
+        out += ["", f"{s.shape} by stage (device time, each stage alone):", "",
+                "| stage | ours | composition | composition / ours |", "|---|---:|---:|---:|"]
+        out += [f"| {line.stage} | {fmt_ms(line.ours_ms)} | {fmt_ms(line.composition_ms)} | "
+                f"{_num(line.ratio, '{:.2f}x')} |" for line in s.lines]
+    versions = records[-1].get("versions", {})
+    commands = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
+    out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
+    if commands:
+        out += ["Commands:", "", "```", *commands, "```", ""]
+    return out
