@@ -40,7 +40,6 @@ import datetime as _dt
 import gc
 import inspect
 import math
-import os
 import random
 import statistics
 import time
@@ -55,6 +54,7 @@ from pathlib import Path
 import torch
 
 from kforge.errors import KforgeError
+from kforge.harness.record import append_record
 from kforge.models.llama.config import PRESETS, LlamaConfig
 from kforge.models.llama.quantize import FORMATS
 
@@ -386,7 +386,7 @@ class ModelBench:
                   "copy": {"gbps": self.copy_gbps, "source": self.copy_source}, "figures": figures or {},
                   "details": details}
         if self.results is not None:
-            _append(self.results, record)
+            append_record(self.results, record)
         self.records.append(record)
         return record
 
@@ -842,17 +842,6 @@ def _part_sizes(sizes: Sizes, part: str) -> dict:
             "prefill": ("prefill_batch", "prefill_len", "prefill_reps", "warmup"),
             "trace": ("requests", "rate", "trace_prompt", "trace_output", "slots", "step_tokens")}[part]
     return {k: getattr(sizes, k) for k in keys}
-
-
-def _append(path: Path, record: dict) -> None:
-    """One sealed line, flushed and fsynced: a run cut short keeps every method it finished."""
-    from kforge.harness.record import sealed_line
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(sealed_line(record) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 def _on(measure: Callable, model) -> dict:

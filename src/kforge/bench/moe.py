@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kforge.bench import BenchJob, size_constants
+from kforge.harness.record import append_record
 
 PROBLEMS = Path(__file__).parent.parent / "problems" / "moe"
 KERNELS = Path(__file__).parent.parent / "kernels" / "moe"
@@ -144,7 +145,10 @@ class OursGroupedBf16:
         self.weight = weight
 
     def __call__(self, x, groups, *_offs):
-        from kforge.kernels.moe.grouped_gemm import grouped_gemm_contiguous, grouped_gemm_masked
+        from kforge.kernels.moe.grouped_gemm import (
+            grouped_gemm_contiguous,
+            grouped_gemm_masked,
+        )
 
         if x.dim() == 3:
             return grouped_gemm_masked(x, self.weight, groups)
@@ -159,7 +163,10 @@ class OursGroupedFp8:
         self.weight, self.w_scale = weight, w_scale
 
     def __call__(self, x, x_scale, _x_scale_t, _x_scale_row, groups):
-        from kforge.kernels.moe.grouped_gemm import grouped_gemm_contiguous, grouped_gemm_masked
+        from kforge.kernels.moe.grouped_gemm import (
+            grouped_gemm_contiguous,
+            grouped_gemm_masked,
+        )
 
         launch = grouped_gemm_masked if x.dim() == 3 else grouped_gemm_contiguous
         return launch(x, self.weight, groups, x_scale=x_scale, w_scale=self.w_scale)
@@ -333,7 +340,11 @@ def ours_stages(x, gate_weight, bias, w13, w2, config, align: int | None = None)
     from kforge.kernels.moe.deepseek import INTERPRETER_ALIGN
     from kforge.kernels.moe.dispatch import combine, dispatch
     from kforge.kernels.moe.gating import append_shared_experts, gating_forward
-    from kforge.kernels.moe.grouped_gemm import ROW_ALIGN, contiguous_m_indices, grouped_gemm_contiguous
+    from kforge.kernels.moe.grouped_gemm import (
+        ROW_ALIGN,
+        contiguous_m_indices,
+        grouped_gemm_contiguous,
+    )
 
     align = align or (ROW_ALIGN if x.is_cuda else INTERPRETER_ALIGN)
     experts = config.experts + config.shared
@@ -453,21 +464,9 @@ def run_moe_stages(shapes: Sequence[MoeShape], *, time_budget: float, results: P
         finally:
             torch.cuda.empty_cache()
         if results is not None:
-            _append(results, record)
+            append_record(results, record)
         records.append(record)
     return records
-
-
-def _append(path: Path, record: dict) -> None:
-    import os
-
-    from kforge.harness.record import sealed_line
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(sealed_line(record) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 @dataclass(frozen=True)

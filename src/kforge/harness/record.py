@@ -84,11 +84,12 @@ class EvalRecord:
         return json.dumps(self.to_dict(), sort_keys=False, allow_nan=False)
 
 
-def append_record(path: str | Path, record: EvalRecord) -> Path:
-    """Append one record as a sealed line; fsync so it survives a crash right after."""
+def append_record(path: str | Path, record: EvalRecord | dict) -> Path:
+    """Append one record (an evaluation's, or a benchmark's own dict) as a sealed line; fsync so
+    it survives a crash right after: a run cut short keeps every record it finished."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = (sealed_line(record.to_dict()) + "\n").encode("utf-8")
+    data = (sealed_line(record if isinstance(record, dict) else record.to_dict()) + "\n").encode("utf-8")
     with open(path, "a+b") as handle:
         end = handle.seek(0, os.SEEK_END)
         if end:
