@@ -350,7 +350,7 @@ def suite_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.text import Text
 
-    from kforge.harness.executors import LocalExecutor, RayExecutor, parse_resources
+    from kforge.harness.executors import LocalExecutor
     from kforge.harness.suite import ResultStore, run_suite
     from kforge.harness.timing import TimingConfig
     from kforge.views import suite_view
@@ -361,15 +361,7 @@ def suite_command(
     if resume and not results.is_file():
         raise KforgeError(f"nothing to resume: {results} does not exist")
     pairs = _suite_pairs(problems, solutions, only)
-    if executor is SuiteExecutor.ray:
-        if gpus:
-            raise KforgeError("--gpus picks this machine's GPUs; with --executor ray, --ray-resources says what "
-                              "each pair holds")
-        runner = RayExecutor(address, parse_resources(ray_resources or "GPU=1"), mix_devices=mix_devices)
-    else:
-        if address or ray_resources:
-            raise KforgeError("--address and --ray-resources are for --executor ray")
-        runner = LocalExecutor(*_slots(gpus))
+    runner = _ray_executor(executor, gpus, address, ray_resources, mix_devices) or LocalExecutor(*_slots(gpus))
     store = ResultStore(results)
     baselines = ["eager", "compile"] if baseline is SuiteBaseline.both else [baseline.value]
     summaries = {}
@@ -1177,7 +1169,7 @@ def machine_command(
         raise KforgeError("--manual and --base-url contradict each other: choose one")
     if manual is None and not model:
         raise KforgeError("give --model (the model the endpoint serves), or --manual DIR")
-    runner = _machine_executor(executor, gpus, address, ray_resources)
+    runner = _ray_executor(executor, gpus, address, ray_resources)
     slots, device_name = ([], None) if runner else _slots(gpus)
     device = current_device()
     facts = problem_facts(problem, device)
@@ -1235,18 +1227,20 @@ def machine_command(
     raise typer.Exit(0 if any(a["status"] == "passed" for a in run.attempts) else 1)
 
 
-def _machine_executor(executor, gpus: str | None, address: str | None, ray_resources: str | None):
-    """The Ray executor `kforge machine` judges on, or None for this machine's GPUs."""
+def _ray_executor(executor, gpus: str | None, address: str | None, ray_resources: str | None,
+                  mix_devices: bool = False):
+    """The Ray executor `--executor ray` asks for (kforge suite, kforge machine), or None for
+    this machine's GPUs; options of the other executor are one-line errors."""
     if executor is SuiteExecutor.local:
         if address or ray_resources:
             raise KforgeError("--address and --ray-resources are for --executor ray")
         return None
     if gpus:
-        raise KforgeError("--gpus picks this machine's GPUs; with --executor ray, --ray-resources says what each "
-                          "judge holds")
+        raise KforgeError("--gpus picks this machine's GPUs; with --executor ray, --ray-resources says what "
+                          "each judge holds")
     from kforge.harness.executors import RayExecutor, parse_resources
 
-    return RayExecutor(address, parse_resources(ray_resources or "GPU=1"))
+    return RayExecutor(address, parse_resources(ray_resources or "GPU=1"), mix_devices=mix_devices)
 
 
 def _machine_view(run, found, results: Path):

@@ -128,41 +128,31 @@ class LocalExecutor(Executor):
         return self._device_name
 
     def run(self, jobs, *, options, device_name, on_start, on_record) -> None:
-        from kforge.harness.isolation import evaluate_isolated
+        with self.evaluator(options=options, device_name=device_name, on_start=on_start) as evaluate:
+            def judge(job: Job) -> None:
+                on_record(job, evaluate(job.problem, job.candidate, job))
 
-        free: queue.Queue[int | None] = queue.Queue()
-        for slot in self.slots:
-            free.put(slot)
-
-        def evaluate(job: Job) -> None:
-            gpu = free.get()
-            try:
-                if on_start:
-                    on_start(job, Placement(gpu=gpu))
-                record = evaluate_isolated(job.problem, job.candidate, gpu=gpu, device_name=device_name, **options)
-                on_record(job, record)
-            finally:
-                free.put(gpu)
-
-        with ThreadPoolExecutor(max_workers=len(self.slots)) as pool:
-            for future in [pool.submit(evaluate, job) for job in jobs]:
-                future.result()
+            with ThreadPoolExecutor(max_workers=len(self.slots)) as pool:
+                for future in [pool.submit(judge, job) for job in jobs]:
+                    future.result()
 
     @property
     def slot_count(self) -> int:
         return len(self.slots)
 
     @contextmanager
-    def evaluator(self, *, options: dict, device_name: str) -> Iterator[Evaluate]:
+    def evaluator(self, *, options: dict, device_name: str, on_start: OnStart | None = None) -> Iterator[Evaluate]:
         from kforge.harness.isolation import evaluate_isolated
 
         free: queue.Queue[int | None] = queue.Queue()
         for slot in self.slots:
             free.put(slot)
 
-        def evaluate(problem: Path, candidate: Path) -> EvalRecord:
+        def evaluate(problem: Path, candidate: Path, job: Job | None = None) -> EvalRecord:
             gpu = free.get()
             try:
+                if on_start and job is not None:
+                    on_start(job, Placement(gpu=gpu))
                 return evaluate_isolated(problem, candidate, gpu=gpu, device_name=device_name, **options)
             finally:
                 free.put(gpu)
@@ -458,7 +448,7 @@ class RayExecutor(Executor):
         dies under a pair is replaced and the pair tried once more, then recorded as `crash`."""
         import threading
 
-        from ray.exceptions import OutOfMemoryError, RayError, RayTaskError
+        from ray.exceptions import RayError, RayTaskError
 
         ray = self.ray
         idle: queue.Queue = queue.Queue()
@@ -475,7 +465,7 @@ class RayExecutor(Executor):
                                                         self.fingerprint, None))
                 except RayTaskError as exc:
                     idle.put(judge)
-                    raise (exc.cause if isinstance(exc.cause, BaseException) else exc) from exc
+                    raise _node_error(exc) from exc
                 except RayError as exc:
                     with lock:
                         idle.put(self._replace(judge))
@@ -485,8 +475,7 @@ class RayExecutor(Executor):
                 if isinstance(result, Refused):
                     raise KforgeError(f"node {result.node} cannot judge {job.name}: {result.reason}")
                 return result
-            status = "oom" if isinstance(died, OutOfMemoryError) or _memory_killed(died) else "crash"
-            return died_record(job, options, device_name, died, status, None)
+            return died_record(job, options, device_name, died, _death_status(died), None)
 
         try:
             yield evaluate
@@ -496,7 +485,7 @@ class RayExecutor(Executor):
     # -- the run ----------------------------------------------------------------------------
 
     def run(self, jobs, *, options, device_name, on_start, on_record) -> None:
-        from ray.exceptions import OutOfMemoryError, RayError, RayTaskError
+        from ray.exceptions import RayError, RayTaskError
         from ray.util.queue import Queue
 
         ray = self.ray
@@ -541,14 +530,13 @@ class RayExecutor(Executor):
                         result = ray.get(ref)
                     except RayTaskError as exc:  # kforge raised on the node: raised here, as locally
                         idle.append(judge)
-                        raise (exc.cause if isinstance(exc.cause, BaseException) else exc) from exc
+                        raise _node_error(exc) from exc
                     except RayError as exc:  # the judge died under the pair: a new judge, the pair once more
                         idle.append(self._replace(judge))
                         if tries[index] <= RETRIES:
                             waiting.appendleft(index)
                             continue
-                        status = "oom" if isinstance(exc, OutOfMemoryError) or _memory_killed(exc) else "crash"
-                        result = died_record(job, options, device_name, exc, status, last_node.get(index))
+                        result = died_record(job, options, device_name, exc, _death_status(exc), last_node.get(index))
                     else:
                         idle.append(judge)
                     if isinstance(result, Refused):
@@ -561,10 +549,19 @@ class RayExecutor(Executor):
                 events.shutdown()
 
 
-def _memory_killed(exc: Exception) -> bool:
-    """Whether Ray's memory monitor ended the judge (an actor's death says so only in words)."""
+def _death_status(exc: Exception) -> str:
+    """A pair's status when its judge died twice: `oom` when Ray's memory monitor ended it (an
+    actor's death says so only in words), else `crash`."""
+    from ray.exceptions import OutOfMemoryError
+
     text = str(exc).lower()
-    return "low on memory" in text or "memory pressure" in text or "out of memory" in text
+    killed = "low on memory" in text or "memory pressure" in text or "out of memory" in text
+    return "oom" if isinstance(exc, OutOfMemoryError) or killed else "crash"
+
+
+def _node_error(exc) -> BaseException:
+    """What kforge raised on the node (an unusable file, a bug), to raise here as locally."""
+    return exc.cause if isinstance(exc.cause, BaseException) else exc
 
 
 def ship(index: int, job: Job) -> Shipped:
