@@ -24,7 +24,7 @@ from kforge.kernels.quant import fp8_gemv
 from kforge.kernels.quant.formats import dequantize_fp8, quantize_fp8_blockwise
 from kforge.kernels.serving.gemv import gemv
 from kforge.runtime.cuda import CudaKernel
-from quant_gemv_sweep import GRAPHED, ROUNDS, ceilings, copy_bandwidth_gbps, report, report_graphed
+from quant_gemv_sweep import GRAPHED, ROUNDS, admit, ceilings, copy_bandwidth_gbps, report, report_graphed
 
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
 # (MT, KW, XPF, MINB); MINB is the blocks an SM ptxas is asked to fit (3 caps 8 warps at 85 registers)
@@ -66,10 +66,7 @@ def sweep(copy_gbps, stream, sink, blocks, batches):
                 default = (m_tiles, k_warps, bool(x_ahead), min_blocks) == fp8_gemv.cuda_variant(n, batch)
                 name = f"CUDA fp8_gemv MT={m_tiles} KW={k_warps} XPF={x_ahead} MINB={min_blocks}" + (
                     " (default)" if default else "")
-                if torch.allclose(y.double(), want, atol=2e-2, rtol=2e-2):
-                    fns[name] = call
-                else:
-                    print(f"  {name}: WRONG, max error {(y.double() - want).abs().nan_to_num(1e9).max().item():.3g}")
+                admit(fns, name, call, y, want, 2e-2)
             nbytes = fp8_gemv.fp8_gemv_min_bytes(batch, n, k)
             ceilings(fns, nbytes, stream, sink, blocks)
             print(f"FP8 GEMV batch {batch}, W {n} x {k} ({nbytes / 1e6:.1f} MB; bf16 {n * k * 2 / 1e6:.1f} MB)")

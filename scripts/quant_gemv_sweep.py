@@ -44,6 +44,14 @@ BATCHES = [2, 3, 8, 16, 32]  # NT 1, 1, 1, 2, 4
 NVFP4_SHAPES = [(7168, 16384, 1), (4096, 7168, 8), (7168, 2048, 4)]  # (M, K, L)
 
 
+def admit(fns, name, call, got, want, tol):
+    """Time `call` under `name` only if its output `got` matches float64 `want` (atol = rtol = tol)."""
+    if torch.allclose(got.double(), want, atol=tol, rtol=tol):
+        fns[name] = call
+    else:
+        print(f"  {name}: WRONG, max error {(got.double() - want).abs().nan_to_num(1e9).max().item():.3g}")
+
+
 def report(times, nbytes, copy_gbps):
     for name, ms in sorted(times.items(), key=lambda item: item[1]):
         us = ms * 1e3
@@ -97,10 +105,7 @@ def sweep_w4a16(copy_gbps, stream, sink, blocks):
             call()
             name = f"CUDA w4a16 ROWS={rows} WARPS={warps}" + (
                 " (default)" if (rows, warps) == w4a16.cuda_variant(n) and not w4a16.bulk_is_faster(n, k) else "")
-            if torch.allclose(y.double(), want, atol=2e-2, rtol=2e-2):
-                fns[name] = call
-            else:
-                print(f"  {name}: WRONG, max error {(y.double() - want).abs().nan_to_num(1e9).max().item():.3g}")
+            admit(fns, name, call, y, want, 2e-2)
         reference = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
         w4a16.launch_cuda_gemv(x, qweight, scales, 128, reference)
         for rows, consumers, stages in BULK_VARIANTS:
@@ -156,10 +161,7 @@ def sweep_w4a16_batch(copy_gbps, stream, sink, blocks):
                 call()
                 name = f"CUDA w4a16_mma MT={m_tiles} KW={k_warps} XPF={x_ahead}" + (
                     " (default)" if (m_tiles, k_warps, x_ahead) == w4a16.mma_variant(n, batch) else "")
-                if torch.allclose(y.double(), want, atol=2e-2, rtol=2e-2):
-                    fns[name] = call
-                else:
-                    print(f"  {name}: WRONG, max error {(y.double() - want).abs().nan_to_num(1e9).max().item():.3g}")
+                admit(fns, name, call, y, want, 2e-2)
             nbytes = qweight.numel() + scales.numel() * 2 + (k + n) * 2 * batch
             ceilings(fns, nbytes, stream, sink, blocks)
             print(f"W4A16 batch {batch}, W {n} x {k} ({nbytes / 1e6:.1f} MB packed)")
@@ -185,10 +187,7 @@ def sweep_nvfp4(copy_gbps, stream, sink, blocks):
             call()
             name = f"CUDA nvfp4 ROWS={rows} WARPS={warps}" + (
                 " (default)" if (rows, warps) == nvfp4_gemv.cuda_variant(k) else "")
-            if torch.allclose(c.double(), want, atol=2e-3, rtol=2e-3):
-                fns[name] = call
-            else:
-                print(f"  {name}: WRONG, max error {(c.double() - want).abs().nan_to_num(1e9).max().item():.3g}")
+            admit(fns, name, call, c, want, 2e-3)
         nbytes = nvfp4_gemv.nvfp4_gemv_min_bytes(m, k, batches)
         ceilings(fns, nbytes, stream, sink, blocks)
         print(f"NVFP4 batched GEMV M={m} K={k} L={batches} ({nbytes / 1e6:.1f} MB)")

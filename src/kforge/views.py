@@ -452,7 +452,6 @@ def _records_markdown(bench: str, records: list[dict]) -> list[str]:
            "| problem | candidate | baseline | status | speedup | reference | candidate | "
            "candidate TFLOP/s | candidate GB/s | % of roof | calls | date |",
            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    commands = []
     for r in records:
         g2, roof = r.get("gate2"), r.get("roofline")
         point = roof["candidate"] if roof else {}
@@ -470,13 +469,7 @@ def _records_markdown(bench: str, records: list[dict]) -> list[str]:
             str(g2["stats"]["candidate"]["n"]) if g2 else "-",
             r["created"][:10],
         ]) + " |")
-        if r.get("command") and r["command"] not in commands:
-            commands.append(r["command"])
-    versions = records[-1].get("versions", {})
-    out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
-    if commands:
-        out += ["Commands:", "", "```", *commands, "```", ""]
-    return out
+    return out + _provenance(records)
 
 
 def _model_markdown(records: list[dict]) -> list[str]:
@@ -513,12 +506,7 @@ def _bench_markdown(bench: str, records: list[dict]) -> list[str]:
             out.append(f"| {row.shape} | {method} | {_num(row.tflops.get(method) if ok else None, '{:,.0f}')} | "
                        f"{_num(row.tflops.get(BASELINE), '{:,.0f}')} | "
                        f"{_num(row.vs_baseline.get(method) if ok else None, '{:.3f}x')} | {row.status[method]} |")
-    versions = records[-1].get("versions", {})
-    commands = sorted({r["command"] for r in records if r.get("command")})
-    out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
-    if commands:
-        out += ["Commands:", "", "```", *commands, "```", ""]
-    return out
+    return out + _provenance(records, sorted({r["command"] for r in records if r.get("command")}))
 
 
 def _serving_markdown(records: list[dict]) -> list[str]:
@@ -537,12 +525,17 @@ def _serving_markdown(records: list[dict]) -> list[str]:
                    f"{'-' if roof is None else f'{roof:.1f}%' + (' mm' if r.bound == 'compute' else '')} | "
                    f"{_num(r.speedup.get('eager'), '{:.2f}x')} | {_num(r.speedup.get('compile'), '{:.2f}x')} | "
                    f"{' / '.join(r.status.get(b, '-') for b in ('eager', 'compile'))} |")
+    return out + _provenance(records)
+
+
+def _provenance(records: list[dict], commands: list[str] | None = None) -> list[str]:
+    """A section's closing lines: the last record's library versions, then the commands that
+    made the records (default: in the order they first appear)."""
+    if commands is None:
+        commands = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
     versions = records[-1].get("versions", {})
-    commands = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
-    out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
-    if commands:
-        out += ["Commands:", "", "```", *commands, "```", ""]
-    return out
+    out = ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
+    return out + (["Commands:", "", "```", *commands, "```", ""] if commands else [])
 
 
 def _ladder_markdown(bench: str, records: list[dict]) -> list[str]:
@@ -560,12 +553,7 @@ def _ladder_markdown(bench: str, records: list[dict]) -> list[str]:
         out.append(f"| {row.label} | {row.status} | {fmt_ms(row.ms)} | {fmt_ms(row.library_ms)} | "
                    f"{_num(row.gflops, '{:,.0f}')} | {fmt_pct(row.pct_library)} | {fmt_pct(row.pct_peak)} | "
                    f"{_num(row.step_speedup, '{:.2f}x')} | {r['created'][:10]} |")
-    commands = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
-    versions = records[-1].get("versions", {})
-    out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
-    if commands:
-        out += ["Commands:", "", "```", *commands, "```", ""]
-    return out
+    return out + _provenance(records)
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -673,9 +661,4 @@ def _moe_markdown(records: list[dict]) -> list[str]:
                 "| stage | ours | composition | composition / ours |", "|---|---:|---:|---:|"]
         out += [f"| {line.stage} | {fmt_ms(line.ours_ms)} | {fmt_ms(line.composition_ms)} | "
                 f"{_num(line.ratio, '{:.2f}x')} |" for line in s.lines]
-    versions = records[-1].get("versions", {})
-    commands = list(dict.fromkeys(r["command"] for r in records if r.get("command")))
-    out += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v), ""]
-    if commands:
-        out += ["Commands:", "", "```", *commands, "```", ""]
-    return out
+    return out + _provenance(records)
