@@ -81,7 +81,7 @@ def test_an_honest_candidate_passes_with_its_claims_checked(judge):
     record = judge("vectorized_row_sums", "row_sums")
     assert record.gate1["passed"] and record.gate1["trials_passed"] == 7, record.reason
     claims = record.gate2["claims"]
-    assert set(claims) == {"median_gap_ms", "excess_ms", "allowed_ms"}
+    assert set(claims) == {"median_gap_ms", "excess_ms", "allowed_ms", "passes"}
     assert set(claims["median_gap_ms"]) == {"reference", "candidate"}
     assert claims["excess_ms"] <= claims["allowed_ms"]
     assert "timing_claims" not in record.defences
@@ -148,6 +148,23 @@ def test_2d_forged_timings_are_caught_by_the_judges_clock(judge, candidate):
     claims = record.gate2["claims"]
     assert record.gate2["stats"]["candidate"]["median_ms"] == pytest.approx(0.02, abs=0.005)
     assert 20 < claims["excess_ms"] and claims["allowed_ms"] < 6, claims
+    assert claims["passes"] == 2 and "on each of 2 passes" in record.reason, "confirmed on fresh draws"
+
+
+@pytest.mark.slow
+def test_2d_a_claims_check_fired_once_is_confirmed_before_it_rejects(judge):
+    # Forged on the first pass only: the check fires, the second pass (fresh draws) finds the
+    # honest 30 ms a call, and that pass's timings are the record's. A busy host's moment
+    # costs an honest candidate a second pass, not a false "rejected"; a forger gains nothing.
+    record = judge("judge_forge_first_pass")
+    if on_gpu(record):  # it forges the host timer only, which decides nothing on a GPU
+        assert_costs_its_real_time(record)
+        return
+    assert record.status == "slower", record.reason
+    assert "timing_claims" not in record.defences, record.defences
+    assert record.gate2["claims"]["passes"] == 2 and record.gate2["claims"]["excess_ms"] < 6, record.gate2["claims"]
+    assert record.gate2["stats"]["candidate"]["median_ms"] > 25, "the second pass's honest timings"
+    assert any("fired on a first pass" in w for w in record.warnings), record.warnings
 
 
 @pytest.mark.slow

@@ -61,6 +61,9 @@ WARDEN_WAIT_S = 30.0  # to start the candidate's worker, or to kill and reap its
 # enough that the GPU never hands the worker a time slice mid-cover (a 4 ms sleep of the
 # judge's grew a matmul's window by 0.38 ms, a 2 ms one by under 1%; H100, 2026-11-27).
 COVER_MS = (1.0, 1.5)
+# Passes of gate 2 on which the claims check must fire before it rejects (the second, on
+# fresh draws, runs only when the first fired).
+CLAIMS_PASSES = 2
 
 
 @dataclass
@@ -212,22 +215,36 @@ class Judge:
                         defences=(fired,) if fired else ())
 
         self._enter("gate2")
-        run, gaps, check = self._gate2()
-        self._check_reference_state()
-        claimed = run.stats["candidate"].median_ms
-        if claimed <= 0:
-            raise Ended("rejected", "the candidate's worker claimed calls that took no time: its timings were forged",
-                        defences=("timing_claims",))
-        verdict = speed_verdict(run.per_call, self.min_speedup)
-        excess, allowed = check.excess_ms(gaps, claimed)
-        claims = {"median_gap_ms": {name: statistics.median(g) for name, g in gaps.items()},
-                  "excess_ms": excess, "allowed_ms": allowed}
-        if abs(excess) > allowed:
+        # A claims check that fires is confirmed on a second pass of fresh draws before it
+        # rejects: a forger's gap is there on every pass, a busy host's moment is not.
+        fired = []
+        for attempt in range(CLAIMS_PASSES):
+            if attempt:  # the confirming pass has the stage's time limit of its own
+                self.deadline = time.monotonic() + self._limit()
+            run, gaps, check = self._gate2(attempt)
+            self._check_reference_state()
+            claimed = run.stats["candidate"].median_ms
+            if claimed <= 0:
+                raise Ended("rejected", "the candidate's worker claimed calls that took no time: its timings were "
+                                        "forged", defences=("timing_claims",))
+            verdict = speed_verdict(run.per_call, self.min_speedup)
+            excess, allowed = check.excess_ms(gaps, claimed)
+            claims = {"median_gap_ms": {name: statistics.median(g) for name, g in gaps.items()},
+                      "excess_ms": excess, "allowed_ms": allowed, "passes": attempt + 1}
+            if abs(excess) <= allowed:
+                break
+            fired.append(excess)
+        if len(fired) == CLAIMS_PASSES:
             direction = "shorter" if excess > 0 else "longer"
-            raise Ended("rejected", f"the candidate's worker claimed calls {abs(excess):.3g} ms {direction} than the "
-                                    f"judge's own clock allows (more than {allowed:.3g} ms): its timings were forged",
+            each = " and ".join(f"{abs(e):.3g}" for e in fired)
+            raise Ended("rejected", f"the candidate's worker claimed calls {each} ms {direction} than the judge's own "
+                                    f"clock allows (more than {allowed:.3g} ms) on each of {CLAIMS_PASSES} passes: "
+                                    "its timings were forged",
                         gate1=gate1, gate2=gate2_fields("rejected", run, verdict, claims=claims),
                         defences=("timing_claims",))
+        if fired:
+            self.warnings.append(f"the claims check fired on a first pass ({fired[0]:+.3g} ms against "
+                                 f"{allowed:.3g} ms allowed) and not on the second, whose timings are the record's")
 
         ceilings = self.ceilings or get_ceilings(self._device_info())
         roof = roofline_for(flops=setup["flops"], nbytes=setup["bytes"], compute_dtype=setup["compute_dtype"],
@@ -264,10 +281,12 @@ class Judge:
             passed += 1
         return _gate1_report(report, True, len(seeds), passed, skipped, worst, None, None)
 
-    def _gate2(self) -> tuple[TimingRun, dict[str, list[float]], ClaimsCheck]:
+    def _gate2(self, attempt: int = 0) -> tuple[TimingRun, dict[str, list[float]], ClaimsCheck]:
+        """One pass of gate 2: warm-up, then rounds until decided. `attempt` > 0 is a pass
+        that confirms a fired claims check, on draws of its own."""
         config = self.timing
         t0 = time.perf_counter()
-        self._ask_reference({"op": "draw", "seed": derive_seed(self.seed, "pool", 0)})
+        self._ask_reference({"op": "draw", "seed": derive_seed(self.seed, f"pool{attempt or ''}", 0)})
         warm = self._ask_reference({"op": "warm", "min_calls": config.min_warmup_calls, "seconds": config.warmup_s})
         cand_warm = self._ask_candidate({"op": "warm", "min_calls": config.min_warmup_calls,
                                          "seconds": config.warmup_s})
@@ -287,7 +306,7 @@ class Judge:
         stopper = StopRule(config, names, host=False, decided=decided_by(self.min_speedup))
         rounds = rechecked = 0
         while True:
-            self._ask_reference({"op": "draw", "seed": derive_seed(self.seed, "round", rounds)})
+            self._ask_reference({"op": "draw", "seed": derive_seed(self.seed, f"round{attempt or ''}", rounds)})
             order = [*names, "null"]
             self.rng.shuffle(order)
             claims = None
