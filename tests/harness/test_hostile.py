@@ -145,11 +145,6 @@ def test_2d_forged_timings_are_caught_by_the_judges_clock(judge, candidate):
         return
     assert record.status == "rejected", record.reason
     assert record.defences == ["timing_claims"], record.defences
-    if candidate == "judge_forge_clock" and record.gate2 is None:
-        # an untimed prime's forward armed the forged read, and the timer's first read took
-        # it: the call claimed no time at all, refused before any verdict
-        assert "took no time" in record.reason, record.reason
-        return
     claims = record.gate2["claims"]
     assert record.gate2["stats"]["candidate"]["median_ms"] == pytest.approx(0.02, abs=0.005)
     assert 20 < claims["excess_ms"] and claims["allowed_ms"] < 6, claims

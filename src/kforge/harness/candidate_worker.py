@@ -13,7 +13,6 @@ Commands (JSON lines; judge.py sends them):
     load      import the candidate, build ModelNew under the reference's init seed
     call      one untimed call on the current inputs; outputs into the mailbox (gate 1)
     warm      untimed calls until warm (compilation and autotuning happen here)
-    prime     one untimed call on the worker's own buffers (the last round's inputs)
     prepare   the round's inputs into the worker's own buffers; the device idle
     time      one timed call on them; its clocks, then its outputs into the mailbox
 """
@@ -81,15 +80,6 @@ class CandidateWorker:
                     started = time.perf_counter()
                 elif (count >= min_calls and time.perf_counter() - started >= seconds) or count >= 1000:
                     return {"calls": count}
-
-    def prime(self) -> dict:
-        """The call `time` makes, untimed, on the buffers the last round left (the judge sends
-        it before the round's inputs reach the arena), its output dropped."""
-        feed = self._feed()
-        with torch.no_grad():
-            self.model(*feed)
-        synchronize(self.dev)
-        return {}
 
     def prepare(self) -> dict:
         """Before each timed call (a command of its own, so the judge can start its sleep
@@ -168,7 +158,7 @@ def main() -> int:
     def bound(name):
         return lambda **fields: getattr(worker, name)(**fields)
 
-    serve(end, {"setup": setup, **{name: bound(name) for name in ("load", "call", "warm", "prime", "prepare", "time")}},
+    serve(end, {"setup": setup, **{name: bound(name) for name in ("load", "call", "warm", "prepare", "time")}},
           error_reply)
     return 0
 

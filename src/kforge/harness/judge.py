@@ -300,27 +300,18 @@ class Judge:
 
         # The reference is timed twice a round (AA): the A/A pair measures the noise floor
         # the candidate's speedup must clear (verdict.py).
-        cuda = self._device_info().is_cuda
-        # With primes, the round's inputs reach the arena only after the candidate's prime
-        # (its worker is stopped from its reply to its `prepare`): its code never runs
-        # untimed while the arena holds inputs it has not been timed on.
-        prime = config.prime if config.prime is not None else not cuda
         names = ["reference", "candidate", AA]
         raw: dict[str, list[Clocks]] = {name: [] for name in [*names, "null"]}
         gaps: dict[str, list[float]] = {"reference": [], "candidate": []}
         stopper = StopRule(config, names, host=False, decided=decided_by(self.min_speedup))
         rounds = rechecked = 0
         while True:
-            self._ask_reference({"op": "draw", "seed": derive_seed(self.seed, f"round{attempt or ''}", rounds),
-                                 "publish": not prime})
+            self._ask_reference({"op": "draw", "seed": derive_seed(self.seed, f"round{attempt or ''}", rounds)})
             order = [*names, "null"]
             self.rng.shuffle(order)
             claims = None
             for name in order:
                 if name == "candidate":
-                    if prime:
-                        self._ask_candidate({"op": "prime"})
-                        self._ask_reference({"op": "publish"})
                     self._ask_candidate({"op": "prepare"})
                     prepared_ms = self.wall_ms
                     reply = self._ask_candidate({"op": "time"}, timed=True)
@@ -328,8 +319,6 @@ class Judge:
                 elif name == "null":
                     reply, prepared_ms = self._ask_reference({"op": "time", "null": True}), 0.0
                 else:
-                    if prime:
-                        self._ask_reference({"op": "prime"})
                     self._ask_reference({"op": "prepare"})
                     prepared_ms = self.wall_ms
                     reply = self._ask_reference({"op": "time"}, timed=True)
@@ -355,6 +344,7 @@ class Judge:
             if stop_reason:
                 break
         per_call = per_call_ms(raw, names, host=False)
+        cuda = self._device_info().is_cuda
         run = TimingRun(
             stats={name: TimingStats.from_samples(per_call[name]) for name in names},
             clock="cuda_events" if cuda else "host", rounds=rounds, stop_reason=stop_reason, pool_sets=1,
@@ -365,7 +355,6 @@ class Judge:
             warmup_calls={"reference": int(_number(warm.get("calls"))),
                           "candidate": int(_number(cand_warm.get("calls")))},
             wall_s=time.perf_counter() - t0,
-            primed=prime,
             per_call=per_call,
         )
         return run, gaps, ClaimsCheck.for_device(cuda)

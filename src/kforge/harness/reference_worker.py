@@ -14,12 +14,9 @@ Commands (JSON lines; see judge.py for the order they come in):
 
     setup     load the problem, build the reference, lay out and create the arena
     draw      a fresh input set: the candidate's copy into the arena, poisoned mailbox
-              (or, with publish off, held back until `publish`)
-    publish   the drawn set's copy into the arena, the mailbox poisoned
     reference run the reference on its own copy (gate 1)
     compare   the candidate's claimed outputs and the mailbox against the reference's
     warm      warm the reference up; its host time sizes the GPU's rest before each call
-    prime     one untimed call on this worker's own buffers, as the timed call runs
     prepare   the round's inputs into this worker's own buffers; the device idle
     time      one timed call of the reference on them, or of nothing ("null")
     state     the fingerprint, compared with the one taken at setup
@@ -108,10 +105,9 @@ class ReferenceWorker:
 
     # --- one input set ---------------------------------------------------------------------
 
-    def draw(self, seed: int, exposed: bool = False, publish: bool = True) -> dict:
+    def draw(self, seed: int, exposed: bool = False) -> dict:
         """A fresh input set under `seed` (an exposing one: problem.expose): pristine and own
-        copies here, the candidate's in the arena, now or at `publish` (gate 2 with primes:
-        the candidate's code runs in its prime while the arena still holds the last set)."""
+        copies here, the candidate's in the arena."""
         inputs = self.problem.make_inputs(seed, self.dev, exposed=exposed)
         self.exposed = exposed
         try:
@@ -122,12 +118,9 @@ class ReferenceWorker:
             raise ProblemError("get_inputs() returned inputs of other shapes, dtypes or kinds than its first set")
         self.pristine = inputs
         self.mine = clone_arguments(inputs)
-        self.out = None
-        return self.publish() if publish else {}
-
-    def publish(self) -> dict:
-        write_values(list(self.pristine), self.arena, self.input_desc)
+        write_values(list(inputs), self.arena, self.input_desc)
         poison(self.mailbox)  # an output the candidate never exports shows as poison
+        self.out = None
         synchronize(self.dev)
         return {}
 
@@ -170,14 +163,6 @@ class ReferenceWorker:
                     break
         self.mine = clone_arguments(self.pristine)
         return {"calls": count, "host_ms": statistics.median(host_ms[1:] or host_ms)}
-
-    def prime(self) -> dict:
-        """The call `time` makes, untimed and on whatever this worker's buffers hold, its
-        output dropped: each timed call of either worker follows one of its own (judge.py)."""
-        with torch.no_grad():
-            self.model(*self.mine)
-        synchronize(self.dev)
-        return {}
 
     def prepare(self) -> dict:
         """Before each timed call, as the candidate's worker does: the round's inputs copied
@@ -282,8 +267,7 @@ def main() -> int:
             mend_interpreter()
     end.reply(hello={"device": worker.device.to_dict(), "versions": library_versions()})
     serve(end, {name: getattr(worker, name) for name in
-                ("setup", "draw", "publish", "reference", "compare", "warm", "prime", "prepare", "time", "state")},
-          error_reply)
+                ("setup", "draw", "reference", "compare", "warm", "prepare", "time", "state")}, error_reply)
     return 0
 
 

@@ -87,11 +87,6 @@ class TimingConfig:
     # wrong in half its calls escapes 30 rounds with p = 0.006 (verdict.escape_probability).
     recheck_fraction: float = 0.25
     keep_samples: bool = False  # keep every call's raw clocks in the run (for studying noise)
-    # The judge: each timed call follows an untimed one of the same worker (on inputs it has
-    # seen), so neither worker's host caches are warmer than the other's. None: on a CPU,
-    # where the reference worker's three slots a round read a tiny softmax 0.72-0.88x
-    # against itself; off on a GPU until measured there (docs/worklogs/harness.md).
-    prime: bool | None = None
     # Tests only: script(name, round) -> ms replaces each timed call's measured clocks, so
     # gate 2's logic runs on known timings (a shared CPU's real ones prove nothing).
     script: Callable[[str, int], float] | None = None
@@ -157,7 +152,6 @@ class TimingRun:
     profile: dict[str, CallProfile] = field(default_factory=dict)
     warmup_calls: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
-    primed: bool = False  # each timed call followed an untimed one of its worker (TimingConfig.prime)
     samples: dict[str, list[Clocks]] | None = None  # raw clocks, when config.keep_samples
     per_call: dict[str, list[float]] = field(default_factory=dict, repr=False)  # each call's cost, round order
 
