@@ -4,7 +4,8 @@
 in the test process, and Triton reads the choice once, at import), compiles each spec
 with `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`, and returns per
 label: registers a thread, spilled bytes, shared memory, and counts of some SASS
-instructions (16-byte global loads, wgmma, TMA loads, cp.async). A spec is a dict:
+instructions (16-byte global loads, wgmma: HGMMA for 16-bit inputs, QGMMA for FP8; TMA
+loads, cp.async). A spec is a dict:
 label, module, kernel (the name of a @triton.jit function, not an autotuner), types (argument name -> Triton type, e.g. "*bf16",
 "i32"; others are constexprs), constants, aligned (arguments Triton may assume divisible
 by 16), num_warps, num_stages.
@@ -39,7 +40,7 @@ for spec in json.loads(sys.stdin.read()):
     found[spec["label"]] = dict(
         registers=used.registers, local=used.local_bytes + used.stack_bytes, spills=count(r"\b(STL|LDL)\b"),
         shared=kernel.metadata.shared, ldg128=count(r"\bLDG\.E\.128\b"), stg128=count(r"\bSTG\.E\.128\b"),
-        hgmma=count(r"\bHGMMA\b"), tma=count(r"\bUTMALDG\b"), ldgsts=count(r"\bLDGSTS\b"))
+        hgmma=count(r"\bHGMMA\b"), qgmma=count(r"\bQGMMA\b"), tma=count(r"\bUTMALDG\b"), ldgsts=count(r"\bLDGSTS\b"))
 print(json.dumps(found))
 """
 

@@ -3,6 +3,8 @@
 - `decode.py`: the Triton split-KV kernel and its combine over a paged latent cache, the
   split planner, the checks, a float64 reference (gather the cache, plain attention) and the
   FLOP and byte counts.
+- `sparse.py`: DeepSeek Sparse Attention (V3.2): the lightning indexer's kernel, the top-k
+  selection, and sparse MLA over each query token's selected tokens, with float64 references.
 `kforge.ops.mla_decode` wraps it as a PyTorch operator; `kforge.bench.mla` times it against a
 PyTorch composition.
 """
