@@ -417,14 +417,23 @@ def suite_command(
 
 class LadderFamily(str, Enum):
     gemm = "gemm"
+    abstraction = "abstraction"
 
 
 @app.command("ladder")
 def ladder_command(
-    family: LadderFamily = typer.Argument(..., help="Which ladder: gemm."),
-    dtype: str = typer.Option("fp32", help="Data type of the ladder (fp32: CUDA cores; bf16: tensor cores)."),
-    size: int = typer.Option(4096, min=1, help="M = N = K."),
-    rungs: str = typer.Option(None, help="Rungs to run, e.g. 1,5,9 (default: all).", show_default=False),
+    family: LadderFamily = typer.Argument(..., help="Which ladder: gemm (CUDA rungs), or abstraction (the same "
+                                          "kernel in Triton, TileLang, Gluon, CuTe DSL and CUDA)."),
+    dtype: str = typer.Option(None, help="Data type of the ladder (gemm: fp32, CUDA cores, the default; bf16: "
+                              "tensor cores). The abstraction ladder is bf16.", show_default=False),
+    size: int = typer.Option(None, min=1, help="M = N = K (default 4096); for the softmax, the row length "
+                             "(default 128256).", show_default=False),
+    kernel: str = typer.Option(None, help="The abstraction ladder's kernel: gemm (the default) or softmax.",
+                               show_default=False),
+    compile_only: bool = typer.Option(False, help="The abstraction ladder without a GPU: lines of code and "
+                                      "compile time of each level, nothing run."),
+    rungs: str = typer.Option(None, help="Rungs to run, e.g. 1,5,9, or levels, e.g. triton,gluon (default: all).",
+                              show_default=False),
     sweep: bool = typer.Option(False, help="Instead of the rungs, time every shape in the tuned rung's sweep."),
     time_budget: float = typer.Option(5.0, min=0.1, help="Seconds of timed rounds per rung at most."),
     results: Path = typer.Option(None, help="JSONL file the records are appended to (default: "
@@ -445,7 +454,13 @@ def ladder_command(
     from kforge.ladder import get_ladder, ladder_rows, latest_per_step, require_gpu, run_ladder, save_chart
     from kforge.views import ladder_view
 
-    ladder = get_ladder(family.value, dtype)
+    ladder = get_ladder(family.value, dtype, kernel)
+    size = size or ladder.default_size
+    if ladder.family == "abstraction":
+        abstraction_ladder(ladder, size, rungs, time_budget, results, chart, replot, compile_only, json_output)
+        return
+    if compile_only:
+        raise KforgeError("--compile-only is for the abstraction ladder (for the CUDA rungs: kforge resources)")
     stem = f"ladder-{ladder.family}-{ladder.dtype}" + ("-sweep" if sweep else "")
     results = results or default_results(f"{stem}.jsonl")
     chart = chart or results.with_suffix(".png")
@@ -479,6 +494,67 @@ def ladder_command(
         show(ladder_view(rows, title=title, library=ladder.library,
                               results_path=None if replot else str(results)))
     save_chart_or_say(save_chart, rows, chart, title=title, library=ladder.library)
+
+
+def abstraction_ladder(ladder, size: int, rungs: str | None, time_budget: float, results: Path | None,
+                       chart: Path | None, replot: bool, compile_only: bool, json_output: bool) -> None:
+    """`kforge ladder abstraction`: each installed level through both gates (or, --replot, from
+    the records; --compile-only, none), each compiled for sm_90a from a cold cache, one table."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from kforge.harness.record import read_records
+    from kforge.kernels.abstraction.compiling import measure
+    from kforge.ladder import abstraction_rows, ladder_rows, latest_per_step, require_gpu, run_ladder, save_chart
+    from kforge.views import abstraction_view
+
+    if replot and compile_only:
+        raise KforgeError("--replot redraws measured records and --compile-only measures none: pick one")
+    steps = ladder.steps(rungs.split(",") if rungs else None)  # unknown or missing levels stop here
+    chosen = {label for label, _ in steps}
+    skipped = [level.missing() for level in ladder.levels() if level.missing()]
+    results = results or default_results(f"ladder-abstraction-{ladder.kernel}.jsonl")
+    chart = chart or results.with_suffix(".png")
+    records, device_name, size_text = [], "this machine", f"{size:,}"
+    if replot:
+        if not results.is_file():
+            raise KforgeError(f"nothing to replot: {results} does not exist")
+        with _store_warnings():
+            records = latest_per_step(read_records(results))
+        if not records:
+            raise KforgeError(f"nothing to replot: {results} holds no records")
+        device_name, size_text = records[0]["device"]["name"], records[0]["problem"].get("size")
+    elif not compile_only:
+        require_gpu()
+    for line in skipped:
+        err.print(line, markup=False, highlight=False)
+    compiled = {}
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                  disable=not show_progress(json_output)) as progress:
+        task = progress.add_task("compiling", total=len(steps))
+        for level in ladder.levels():
+            if level.tool in chosen:
+                progress.update(task, description=f"compiling {level.tool} for sm_90a")
+                compiled[level.tool] = measure(level, size)
+                progress.advance(task)
+        if not (replot or compile_only):
+            progress.update(task, total=len(steps), completed=0)
+            records = run_ladder(ladder, size, steps, time_budget=time_budget, results=results,
+                                 command=shlex.join(["kforge", *sys.argv[1:]]), on_step=lambda label, record: progress.update(
+                                     task, description=label if record is None else "ladder",
+                                     advance=0 if record is None else 1))
+            device_name = records[0].device["name"]
+    rows = abstraction_rows(ladder, records, compiled)
+    rate_unit = "TFLOP/s" if ladder.kernel == "gemm" else "GB/s"
+    title = f"abstraction ladder, {ladder.kernel} bf16, {size_text} on {device_name}: vs {ladder.library}"
+    if json_output:
+        print_json({"title": title, "library": ladder.library, "rate_unit": rate_unit, "rows": rows,
+                    "skipped": skipped})
+    else:
+        show(abstraction_view(rows, title=title, library=ladder.library, rate_unit=rate_unit, skipped=skipped,
+                              results_path=None if replot or compile_only else str(results)))
+    if records and ladder.kernel == "gemm":
+        save_chart_or_say(save_chart, ladder_rows(records, ladder.dtype, ladder.peak), chart, title=title,
+                          library=ladder.library)
 
 
 class BenchFamily(str, Enum):

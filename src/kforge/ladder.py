@@ -28,19 +28,39 @@ class Ladder:
     library: str  # what the rungs are measured against, by name
     size_names: tuple[str, ...]  # the problem's constants that --size sets
     peak: str = "datasheet"  # "% of peak" against the data sheet's rate, or the measured one ("measured")
+    kernel: str = "gemm"  # what each step computes (the abstraction ladder also has "softmax")
+    default_size: int = 4096  # --size when none is given
 
     def steps(self, rungs: Sequence[str] | None) -> list[tuple[str, Candidate]]:
-        every = _fp32_steps() if self.dtype == "fp32" else _bf16_steps()
+        if self.family == "abstraction":
+            every = _abstraction_steps(self.kernel)
+        else:
+            every = _fp32_steps() if self.dtype == "fp32" else _bf16_steps()
         if not rungs:
             return every
         chosen = [(label, c) for wanted in rungs for label, c in every if _matches(label, wanted)]
         unknown = [w for w in rungs if not any(_matches(label, w) for label, _ in every)]
         if unknown:
-            raise KforgeError(f"no rung {unknown[0]!r} in the {self.family} {self.dtype} ladder "
+            skipped = [level.missing() for level in self.levels() if level.tool == unknown[0] and level.missing()]
+            raise KforgeError(skipped[0] if skipped else f"no rung {unknown[0]!r} in the {self.name} ladder "
                               f"(rungs: {', '.join(label for label, _ in every)})")
         return chosen
 
+    @property
+    def name(self) -> str:
+        return f"{self.family} {self.kernel}" if self.family == "abstraction" else f"{self.family} {self.dtype}"
+
+    def levels(self) -> tuple:
+        """The abstraction ladder's levels (kforge.kernels.abstraction), installed or not; none for the others."""
+        if self.family != "abstraction":
+            return ()
+        from kforge.kernels.abstraction import levels
+
+        return levels(self.kernel)
+
     def sweep(self) -> list[tuple[str, Candidate]]:
+        if self.family == "abstraction":
+            raise KforgeError("--sweep is for the gemm ladders (kforge ladder gemm --sweep)")
         if self.dtype == "fp32":
             from kforge.kernels import gemm_fp32
 
@@ -76,18 +96,45 @@ def _bf16_steps() -> list[tuple[str, Candidate]]:
     return steps
 
 
+def _abstraction_steps(kernel: str) -> list[tuple[str, Candidate]]:
+    """Each level whose tool is installed, most abstract first (Level.missing says how to add the others)."""
+    from kforge.kernels.abstraction import LevelModel, levels
+
+    return [(level.tool, source_candidate(level.tool, lambda level=level: LevelModel(level), [level.source]))
+            for level in levels(kernel) if level.missing() is None]
+
+
 LADDERS = {
     ("gemm", "fp32"): Ladder("gemm", "fp32", PROBLEMS / "level1" / "matmul_fp32.py", "cuBLAS SGEMM", ("M", "N", "K")),
     ("gemm", "bf16"): Ladder("gemm", "bf16", PROBLEMS / "level1" / "matmul_bf16.py", "cuBLAS bf16", ("M", "N", "K"),
                              peak="measured"),
 }
+# The same kernel in each tool (kforge/kernels/abstraction), by kernel: the GEMM against cuBLAS, and
+# the softmax of Llama 3's 128256-entry rows (2048 of them; --size sets the row length) against torch.softmax.
+ABSTRACTION_LADDERS = {
+    "gemm": Ladder("abstraction", "bf16", PROBLEMS / "level1" / "matmul_bf16.py", "cuBLAS bf16", ("M", "N", "K"),
+                   peak="measured"),
+    "softmax": Ladder("abstraction", "bf16", PROBLEMS / "level1" / "softmax_bf16.py", "torch.softmax", ("VOCAB",),
+                      kernel="softmax", default_size=128256),
+}
 
 
-def get_ladder(family: str, dtype: str) -> Ladder:
+def get_ladder(family: str, dtype: str | None = None, kernel: str | None = None) -> Ladder:
+    """A ladder by family and dtype (default fp32 for gemm; the abstraction ladder is bf16)
+    and, for the abstraction ladder, kernel (default gemm)."""
+    if family == "abstraction":
+        if dtype not in (None, "bf16"):
+            raise KforgeError(f"the abstraction ladder is bf16 only, got --dtype {dtype}")
+        if (kernel or "gemm") not in ABSTRACTION_LADDERS:
+            raise KforgeError(f"no abstraction ladder for kernel {kernel!r} (kernels: {', '.join(ABSTRACTION_LADDERS)})")
+        return ABSTRACTION_LADDERS[kernel or "gemm"]
+    if kernel is not None:
+        raise KforgeError(f"--kernel is for the abstraction ladder; the {family} ladder's kernel is itself")
+    dtype = dtype or "fp32"
     ladder = LADDERS.get((family, dtype))
     if ladder is None:
         known = ", ".join(f"{f} --dtype {d}" for f, d in LADDERS)
-        raise KforgeError(f"no ladder {family!r} for dtype {dtype!r} (ladders: {known})")
+        raise KforgeError(f"no ladder {family!r} for dtype {dtype!r} (ladders: {known}, abstraction)")
     return ladder
 
 
@@ -212,6 +259,49 @@ def ladder_rows(records: Sequence[EvalRecord | dict], dtype: str, peak: str = "d
             library_ms=library_ms, reason=r.get("reason"),
         ))
         previous_ms = ms if ms else previous_ms
+    return rows
+
+
+@dataclass(frozen=True)
+class AbstractionRow:
+    level: str  # the tool
+    status: str  # the record's status; "not_run" with --compile-only
+    ms: float | None
+    rate: float | None  # TFLOP/s for the GEMM, GB/s for the softmax (memory-bound)
+    pct_library: float | None
+    lines: int  # lines of code of the kernel's own file (kernels.abstraction.lines_of_code)
+    compile_s: float | None  # compile for sm_90a from a cold cache (kernels.abstraction.compiling)
+    controls: str  # what this level lets you control
+    reason: str | None  # why a status is not passed/slower/tie, or why it did not compile
+
+
+def abstraction_rows(ladder: Ladder, records: Sequence[EvalRecord | dict], compiled: Mapping[str, object]
+                     ) -> list[AbstractionRow]:
+    """One row per level, most abstract first: every level with a record or a compile report
+    (`compiled`: tool -> CompileReport). The rate is TFLOP/s for the GEMM and GB/s (the bytes
+    the roofline counts) for the softmax."""
+    from kforge.kernels.abstraction import lines_of_code
+
+    by_level = {}
+    for record in records:
+        r = record if isinstance(record, dict) else record.to_dict()
+        by_level[r["candidate"].get("name")] = r
+    rows = []
+    for level in ladder.levels():
+        record, report = by_level.get(level.tool), compiled.get(level.tool)
+        if record is None and report is None:
+            continue
+        timed = ladder_rows([record], ladder.dtype, ladder.peak)[0] if record else None
+        rate = None
+        if timed and timed.ms:
+            moved = (record.get("roofline") or {}).get("bytes")
+            rate = timed.gflops / 1e3 if ladder.kernel == "gemm" and timed.gflops else \
+                moved / timed.ms / 1e6 if moved else None
+        rows.append(AbstractionRow(
+            level=level.tool, status=timed.status if timed else "not_run", ms=timed.ms if timed else None, rate=rate,
+            pct_library=timed.pct_library if timed else None, lines=lines_of_code(level.source),
+            compile_s=getattr(report, "seconds", None), controls=level.controls,
+            reason=(timed.reason if timed else None) or getattr(report, "error", None)))
     return rows
 
 

@@ -246,6 +246,31 @@ def ladder_view(rows, *, title: str, library: str, results_path: str | None) -> 
     return Group(*parts)
 
 
+def abstraction_view(rows, *, title: str, library: str, rate_unit: str, skipped: list[str],
+                     results_path: str | None) -> Group:
+    """One row per level of the abstraction ladder: its time, rate, % of the library, lines of
+    code, compile time and what the level lets you control; the levels skipped, one line each."""
+    table = Table(title=title, title_justify="left")
+    for column in ("level", "status", "time", rate_unit, f"% of {library}", "lines", "compile",
+                   "what this level lets you control"):
+        table.add_column(column, justify="right" if column in ("time", rate_unit, f"% of {library}", "lines",
+                                                               "compile") else "left")
+    for row in rows:
+        label, style = VERDICT_STYLE.get(row.status, (row.status.upper(), "dim"))
+        if row.status in ("slower", "tie"):
+            label, style = f"correct, {row.status}", "yellow"
+        table.add_row(row.level, Text(label, style=style), fmt_ms(row.ms), _num(row.rate, "{:,.0f}"),
+                      fmt_pct(row.pct_library), str(row.lines), _num(row.compile_s, "{:.1f} s"), row.controls)
+    parts = [table, Text("lines: non-blank, non-comment lines of the kernel's own file; compile: for sm_90a "
+                         "from a cold cache, on this machine's CPU", style="dim")]
+    parts += [Text(f"{row.level}: {row.reason}", style="red") for row in rows
+              if row.reason and (row.status not in ("passed", "slower", "tie") or row.compile_s is None)]
+    parts += [Text(line, style="yellow") for line in skipped]
+    if results_path:
+        parts.append(Text(f"records appended to {results_path}", style="dim"))
+    return Group(*parts)
+
+
 def bench_view(rows, *, title: str, baseline: str, results_path: str | None) -> Group:
     """One row per shape: TFLOP/s of each method and of the baseline, each method's speedup over it."""
     from kforge.bench import geomean

@@ -1,0 +1,90 @@
+"""Compile a level's kernel for the H100 (sm_90a) on any machine, timed from a cold cache.
+
+`measure(level, size)` runs `python -m kforge.kernels.abstraction.compiling TOOL KERNEL SIZE`
+in a fresh process: Triton's JIT is off there (kforge turns its interpreter on where there is
+no GPU, and Triton reads that once, at import), every tool's cache points at an empty folder,
+and only the compile call is timed, not the imports. The child reads the cubin it got
+(registers, spills, a few SASS instructions) with kforge's runtime and prints
+one line of JSON: the ladder's compile-time column, and what the CPU tests check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# What the SASS counts: Hopper's tensor-core MMA (wgmma), TMA loads and stores, 16-byte global accesses.
+SASS_COUNTS = {"wgmma": r"\bHGMMA\b", "tma_loads": r"\bUTMALDG\b", "tma_stores": r"\bUTMASTG\b",
+               "ldg128": r"\bLDG\.E\.(?:EL\.|LTC\w+\.|CONSTANT\.)*128\b", "stg128": r"\bSTG\.E\.128\b"}
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    seconds: float | None  # the compile call alone, from a cold cache
+    registers: int | None = None  # the kernel's (the largest, if the cubin holds several)
+    spills: int | None = None  # STL and LDL instructions in the SASS
+    sass: dict[str, int] | None = None  # SASS_COUNTS
+    error: str | None = None  # one line: why it did not compile
+
+
+def triton_cubin(fn, types: dict[str, str], constants: dict[str, object], num_warps: int, num_stages: int = 3) -> bytes:
+    """A @triton.jit or @gluon.jit kernel compiled for sm_90a. `types`: each runtime argument's
+    Triton type ("*bf16", "i32"); the others are constexprs, valued in `constants`. Every
+    pointer and int is taken as divisible by 16, as Triton specializes them at a launch on
+    the ladder's shapes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in types}
+    source = (GluonASTSource if fn.is_gluon() else ASTSource)(fn=fn, signature=signature, constexprs=constants,
+                                                              attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages}).asm["cubin"]
+
+
+def measure(level, size: int, timeout: float = 600) -> CompileReport:
+    """Compile `level` for sm_90a at `size` in a fresh process with empty caches; its report."""
+    with tempfile.TemporaryDirectory(prefix="kforge-compile-") as scratch:
+        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(Path(scratch) / "triton"),
+               "TILELANG_CACHE_DIR": str(Path(scratch) / "tilelang"), "CUTE_DSL_CACHE_DIR": str(Path(scratch) / "cute")}
+        try:
+            done = subprocess.run([sys.executable, "-m", __name__, level.tool, level.kernel, str(size)], env=env,
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return CompileReport(None, error=f"did not compile within {timeout:.0f} s")
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+        return CompileReport(None, error=lines[-1][:300] if lines else f"exit status {done.returncode}")
+    return CompileReport(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _report(tool: str, kernel: str, size: int) -> CompileReport:
+    from kforge.kernels.abstraction import levels
+    from kforge.runtime.cuda import Cubin, resources, sass
+
+    (level,) = [level for level in levels(kernel) if level.tool == tool]
+    start = time.perf_counter()
+    built = level.compile(size)
+    seconds = time.perf_counter() - start
+    cubin = Cubin(level.source, "sm_90a", (), "", level.cubin_of(built), "")
+    used = max(resources(cubin).values(), key=lambda r: r.registers)
+    text = sass(cubin)
+    return CompileReport(seconds, used.registers, len(re.findall(r"\b(?:STL|LDL)\b", text)),
+                         {name: len(re.findall(pattern, text)) for name, pattern in SASS_COUNTS.items()})
+
+
+if __name__ == "__main__":
+    tool_name, kernel_name, size_text = sys.argv[1:4]
+    from dataclasses import asdict
+
+    print(json.dumps(asdict(_report(tool_name, kernel_name, int(size_text)))))
