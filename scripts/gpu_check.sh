@@ -24,7 +24,8 @@
 #   bench-model   (kforge bench model on llama3-8b: decode, batch, trace, prefill; BENCH_MODEL_SECONDS, default 360)
 #   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
 #   fp8-gemv   (the FP8 decode GEMV's GPU tests, and the engine's FP8 decode through it)
-#   deepseek   (chain speculative sampling and MLA decode on the GPU)
+#   deepseek   (chain and tree speculative sampling, MLA decode, DSA's indexer and sparse MLA on the GPU)
+#   abstraction   (the abstraction ladder's GPU tests, then kforge ladder abstraction for the GEMM and the softmax)
 #   bench-mla   (kforge bench mla: FlashMLA's shapes against the eager and compiled compositions; MLA_SHAPES)
 #   bench-moe   (kforge bench moe: the grouped GEMMs in bf16 and FP8 against torch._grouped_mm and per-expert loops,
 #                DeepSeek-V3's MoE layer against a _grouped_mm composition, split by stage; MOE_SHAPES picks groups
@@ -198,7 +199,16 @@ if [[ $parts == *" fp8-gemv "* ]]; then
 fi
 if [[ $parts == *" deepseek "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_speculative_sampling.py \
-    tests/kernels/test_mla_decode.py 2>&1 | tail -8 | tee "$out/pytest-deepseek-gpu.txt"
+    tests/kernels/test_tree_verification.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_sparse.py \
+    2>&1 | tail -8 | tee "$out/pytest-deepseek-gpu.txt"
+fi
+if [[ $parts == *" abstraction "* ]]; then
+  python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_abstraction.py 2>&1 | tail -8 \
+    | tee "$out/pytest-abstraction-gpu.txt"
+  for kernel in gemm softmax; do
+    python3 -m kforge ladder abstraction --kernel "$kernel" --results "$out/ladder-abstraction-$kernel.jsonl" \
+      2>&1 | tee "$out/ladder-abstraction-$kernel.txt"
+  done
 fi
 if [[ $parts == *" bench-mla "* ]]; then
   python3 -m kforge bench mla --shapes "${MLA_SHAPES:-all}" --results "$out/bench-mla.jsonl" 2>&1 | tee "$out/bench-mla.txt"
