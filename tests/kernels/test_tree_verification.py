@@ -225,3 +225,23 @@ def test_gpu_kernel_matches_reference_at_a_real_vocabulary(mode):
     expected = _run(tree_verify_reference, tokens, first, sibling, p, q, u, mode)
     mismatched = int((kernel[0].cpu() != expected[0]).any(1).sum())
     assert mismatched <= 1, f"{mismatched} of 64 requests differ (fp32 sums against float64 near a boundary)"
+
+
+# --- the op ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_op_on_the_cpu_is_the_reference_and_draws_reproducibly():
+    from kforge.ops import tree_verify as tree_verify_op
+
+    tokens, first, sibling, p, q, _ = _random_inputs("deep and wide", 16, 23, seed=4)
+    first_draw = tree_verify_op(tokens, first, sibling, p, draft_probs=q, mode="draft",
+                                generator=torch.Generator().manual_seed(1))
+    again = tree_verify_op(tokens, first, sibling, p, draft_probs=q, mode="draft",
+                           generator=torch.Generator().manual_seed(1))
+    u = torch.rand(16, 7, generator=torch.Generator().manual_seed(1))
+    expected = tree_verify_reference(tokens, first, sibling, p, u, draft_probs=q, mode="draft")
+    for got, same, want in zip(first_draw, again, expected):
+        assert torch.equal(got, same) and torch.equal(got, want)
+    greedy = tree_verify_op(tokens, first, sibling, p, mode="greedy")
+    assert torch.equal(greedy[0], tree_verify_reference(tokens, first, sibling, p, mode="greedy")[0])
+    torch.library.opcheck(torch.ops.kforge.tree_verify.default, (tokens, first, sibling, p, u, q, "draft", True))

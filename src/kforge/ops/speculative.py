@@ -1,5 +1,7 @@
 """`kforge.ops.chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, ...)`: verify a
-chain of K draft tokens against the target model's probabilities, FlashInfer's contract.
+chain of K draft tokens against the target model's probabilities, FlashInfer's contract; and
+`kforge.ops.tree_verify(tokens, first_child, next_sibling, target_probs, ...)`: verify a tree of
+draft tokens (greedy, target-only, or with the draft's probabilities; `kernels/speculative/tree.py`).
 
     out, accepted, emitted = chain_speculative_sampling(draft_probs, draft_ids, target_probs,
                                                         generator=g)
@@ -12,7 +14,8 @@ reference (`kforge.kernels.speculative.reference`, whose docstring states the ru
 `accepted` counts the drafts that pass the test each on its own, `emitted` the drafts
 emitted before the first rejection.
 
-A `torch.library` custom op (`kforge::chain_speculative_sampling`) with a fake implementation;
+Each is a `torch.library` custom op (`kforge::chain_speculative_sampling`, `kforge::tree_verify`)
+with a fake implementation;
 the draws are made outside it (a Generator is no custom-op argument). The Triton kernel runs on
 CUDA tensors; elsewhere the op runs the float64 reference. validate=True (the default) reads
 the draft ids back once to refuse ids outside the vocabulary.
@@ -24,6 +27,7 @@ import torch
 
 from kforge.kernels.speculative.chain import check_chain_inputs, check_draft_ids
 from kforge.kernels.speculative.reference import chain_speculative_sampling_reference
+from kforge.kernels.speculative.tree import check_tree_inputs, check_tree_values, tree_verify_reference
 
 
 @torch.library.custom_op("kforge::chain_speculative_sampling", mutates_args=())
@@ -57,3 +61,39 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
         batch, k, _ = draft_probs.shape
         uniforms = torch.rand((batch, k + 1), generator=generator, dtype=torch.float32, device=draft_probs.device)
     return _chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, uniforms, bool(validate))
+
+
+@torch.library.custom_op("kforge::tree_verify", mutates_args=())
+def _tree_verify(tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: torch.Tensor,
+                 target_probs: torch.Tensor, uniforms: torch.Tensor | None, draft_probs: torch.Tensor | None,
+                 mode: str, validate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_tree_inputs(tokens, first_child, next_sibling, target_probs, draft_probs, uniforms, mode)
+    if validate:
+        check_tree_values(tokens, first_child, next_sibling, target_probs.shape[2])
+    if target_probs.is_cuda:
+        from kforge.kernels.speculative.tree import tree_verify as kernel
+
+        return kernel(tokens, first_child, next_sibling, target_probs, uniforms, draft_probs=draft_probs, mode=mode,
+                      validate=False)
+    return tree_verify_reference(tokens, first_child, next_sibling, target_probs, uniforms, draft_probs=draft_probs,
+                                 mode=mode)
+
+
+@_tree_verify.register_fake
+def _(tokens, first_child, next_sibling, target_probs, uniforms, draft_probs, mode, validate):
+    batch, nodes = tokens.shape
+    return (tokens.new_empty((batch, nodes)), tokens.new_empty((batch, nodes)), tokens.new_empty((batch,)))
+
+
+def tree_verify(tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: torch.Tensor,
+                target_probs: torch.Tensor, uniforms: torch.Tensor | None = None, *,
+                draft_probs: torch.Tensor | None = None, mode: str = "target_only",
+                generator: torch.Generator | None = None, validate: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out_ids (B, N), out_nodes (B, N), emitted (B,)), int32: the accepted path through each
+    request's draft tree and one final token. Random modes take `uniforms` (B, N) or draw them
+    from `generator`; greedy takes none."""
+    if uniforms is None and mode != "greedy":
+        batch, nodes = tokens.shape
+        uniforms = torch.rand((batch, nodes), generator=generator, dtype=torch.float32, device=target_probs.device)
+    return _tree_verify(tokens, first_child, next_sibling, target_probs, uniforms, draft_probs, mode, bool(validate))
