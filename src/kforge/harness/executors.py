@@ -7,6 +7,12 @@ Either way each pair is judged by `evaluate_isolated` (isolation.py), in fresh w
 processes with the judge's per-stage deadlines, and each record is handed back to the one
 caller that writes the store (suite.py): the executors evaluate, they never write.
 
+A problem that declares `GPUS = N` (problem.py) holds N GPUs of one machine for its pair,
+its workers seeing those alone: N local slots taken together, or on Ray a placement group
+of N one-GPU bundles packed on one node (`RayExecutor.run`). A pair needing more GPUs than
+any one machine has is recorded as a `problem_error` saying so, never left waiting; every
+record says how many GPUs its pair held (`device.gpus`, record.gpus_used).
+
 The Ray executor starts one judge per slot of the cluster (a Ray actor holding `resources`,
 default one GPU: as many as the nodes' resources hold) and hands each a pair at a time:
 
@@ -31,12 +37,13 @@ import os
 import queue
 import shutil
 import tempfile
+import threading
 from abc import ABC, abstractmethod
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kforge.errors import KforgeError
@@ -56,9 +63,12 @@ class Placement:
     node: str | None = None
     pid: int | None = None
     attempt: int = 1  # 2: the retry after the first attempt's process died
+    gpus: tuple[int, ...] = ()  # every GPU the pair holds, `gpu` first (none on the CPU)
 
     def __str__(self) -> str:
         where = "the CPU" if self.gpu is None else f"GPU {self.gpu}"
+        if len(self.gpus) > 1:
+            where = "GPUs " + ", ".join(map(str, self.gpus))
         if self.node is not None:
             where += f" of {self.node}"
         return where + (f" (attempt {self.attempt})" if self.attempt > 1 else "")
@@ -72,6 +82,7 @@ class Job:
     problem: Path
     candidate: Path
     key: str
+    gpus: int = 1  # what its problem declares (problem.declared_gpus)
 
 
 OnStart = Callable[[Job, Placement], None]
@@ -115,11 +126,16 @@ class Executor(ABC):
 
 
 class LocalExecutor(Executor):
-    """This machine: one thread per slot, each running one pair at a time on its GPU."""
+    """This machine: one thread per slot, each running one pair at a time on its GPU; a pair
+    whose problem declares GPUS = N takes N slots at once (`_Slots`). On the CPU (slots of
+    None) there are no GPUs to share out, so every pair takes one slot whatever it declares."""
 
     def __init__(self, slots: Sequence[int | None], device_name: str | None = None):
         self.slots = list(slots) or [None]
         self._device_name = device_name
+        self.on_cpu = self.slots[0] is None
+        if any((slot is None) != self.on_cpu for slot in self.slots):
+            raise KforgeError(f"a LocalExecutor's slots are GPUs or the CPU (None), not both: {self.slots}")
 
     @property
     def device_name(self) -> str:
@@ -143,21 +159,60 @@ class LocalExecutor(Executor):
     @contextmanager
     def evaluator(self, *, options: dict, device_name: str, on_start: OnStart | None = None) -> Iterator[Evaluate]:
         from kforge.harness.isolation import evaluate_isolated
+        from kforge.harness.problem import declared_gpus
 
-        free: queue.Queue[int | None] = queue.Queue()
-        for slot in self.slots:
-            free.put(slot)
+        slots = _Slots(self.slots)
 
         def evaluate(problem: Path, candidate: Path, job: Job | None = None) -> EvalRecord:
-            gpu = free.get()
+            needed = 1 if self.on_cpu else (job.gpus if job is not None else declared_gpus(problem))
+            if needed > len(self.slots):
+                have = ", ".join(map(str, self.slots))
+                return unplaced_record(problem, candidate, options, device_name, needed,
+                                       f"the problem declares GPUS = {needed}, and the suite runs on {len(self.slots)} "
+                                       f"GPU(s) of this machine ({have}): give it {needed} (--gpus) where there are")
+            held = slots.take(needed)
+            gpus = () if self.on_cpu else tuple(held)
             try:
                 if on_start and job is not None:
-                    on_start(job, Placement(gpu=gpu))
-                return evaluate_isolated(problem, candidate, gpu=gpu, device_name=device_name, **options)
+                    on_start(job, Placement(gpu=held[0], gpus=gpus))
+                record = evaluate_isolated(problem, candidate, gpu=held[0], gpus=gpus, device_name=device_name,
+                                           **options)
             finally:
-                free.put(gpu)
+                slots.give(held)
+            record.device["gpus"] = len(gpus)
+            return record
 
         yield evaluate
+
+
+class _Slots:
+    """A LocalExecutor's free slots, taken N at a time in the order the executor lists them
+    (so a pair of GPUs 0 and 1 sees them as its devices 0 and 1), first come, first served:
+    a pair waiting for N slots holds back the pairs behind it, which would otherwise take each
+    slot as it came free and leave it waiting for ever."""
+
+    def __init__(self, slots: Sequence[int | None]):
+        self.order = list(slots)
+        self.free = list(slots)
+        self.queue: deque[object] = deque()  # a token per pair waiting, in arrival order
+        self.changed = threading.Condition()
+
+    def take(self, count: int) -> list[int | None]:
+        token = object()
+        with self.changed:
+            self.queue.append(token)
+            self.changed.wait_for(lambda: self.queue[0] is token and len(self.free) >= count)
+            self.queue.popleft()
+            taken = sorted(self.free, key=self.order.index)[:count]
+            for slot in taken:
+                self.free.remove(slot)
+            self.changed.notify_all()  # the next in the queue may fit in what is left
+        return taken
+
+    def give(self, slots: Sequence[int | None]) -> None:
+        with self.changed:
+            self.free.extend(slots)
+            self.changed.notify_all()
 
 
 # --- Ray --------------------------------------------------------------------------------
@@ -236,6 +291,7 @@ class Started:
     node: str
     gpu: int | None
     pid: int
+    gpus: tuple[int, ...] = ()  # all the pair's GPUs, `gpu` first
 
 
 def visible_device_name() -> str:
@@ -267,9 +323,21 @@ class PairJudge:
         return _probe_node()
 
     def judge(self, job: Shipped, options: dict, device_name: str, check_device: bool, fingerprint: str,
-              events) -> EvalRecord | Refused:
+              events, leases: Sequence = ()) -> EvalRecord | Refused:
+        """`leases`: the GpuLease actors holding the pair's other GPUs, for a pair of several."""
         _exit_if_context_broken()
-        return _evaluate_shipped(job, options, device_name, check_device, fingerprint, events)
+        return _evaluate_shipped(job, options, device_name, check_device, fingerprint, events, leases)
+
+
+class GpuLease:
+    """A Ray actor on one bundle of a multi-GPU pair's placement group, other than its judge's.
+    Ray hands a bundle's GPU to what runs in it, and tells only that process which GPU it
+    is: the lease holds the GPU for the pair's judge and says which it is."""
+
+    def gpu(self) -> int | str:
+        import ray
+
+        return ray.get_gpu_ids()[0]
 
 
 def _exit_if_context_broken() -> None:
@@ -289,18 +357,21 @@ def _exit_if_context_broken() -> None:
 
 
 def _evaluate_shipped(job: Shipped, options: dict, device_name: str, check_device: bool, fingerprint: str,
-                      events) -> EvalRecord | Refused:
+                      events, leases: Sequence) -> EvalRecord | Refused:
     """The task: write the shipped files on this node, judge them, return the record."""
     import ray
 
     from kforge.harness.isolation import evaluate_isolated
 
     node = _node_ip()
-    gpus = [str(gpu) for gpu in ray.get_gpu_ids()]
-    gpu = int(gpus[0]) if gpus and gpus[0].isdigit() else None
+    # The judge's own GPU first: its CUDA context is on its process's device 0 (Ray shows it
+    # that GPU alone), and the workers' device 0 must be the same GPU.
+    gpus = [str(gpu) for gpu in [*ray.get_gpu_ids(), *ray.get([lease.gpu.remote() for lease in leases])]]
+    indices = tuple(int(gpu) for gpu in gpus if gpu.isdigit())
+    gpu = indices[0] if indices else None
     if events is not None:  # the driver's progress display; it is not needed for the record
         try:
-            events.put_nowait(Started(job.index, node, gpu, os.getpid()))
+            events.put_nowait(Started(job.index, node, gpu, os.getpid(), indices))
         except Exception:  # noqa: BLE001  (a full or lost queue costs a progress line, not the pair)
             pass
     mine = harness_fingerprint()
@@ -317,17 +388,20 @@ def _evaluate_shipped(job: Shipped, options: dict, device_name: str, check_devic
         for path, data in ((problem, job.problem_bytes), (candidate, job.candidate_bytes)):
             path.parent.mkdir()
             path.write_bytes(data)
-        # gpu=None: the workers inherit CUDA_VISIBLE_DEVICES as Ray set it for this task
-        record = evaluate_isolated(problem, candidate, gpu=None, device_name=device_name, **options)
+        # gpu=None: one GPU, the workers inherit CUDA_VISIBLE_DEVICES as Ray set it for this
+        # judge; several, they see the judge's and its leases', which Ray set for no process
+        record = evaluate_isolated(problem, candidate, gpu=None, gpus=gpus if leases else (),
+                                   device_name=device_name, **options)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    record.device["gpus"] = len(gpus)
     record.problem["path"] = job.problem_path
     record.candidate["path"] = job.candidate_path
     return record
 
 
 class RayExecutor(Executor):
-    """A Ray cluster: one task per pair, holding `resources` (module docstring).
+    """A Ray cluster: one judge per slot, holding `resources` (module docstring).
 
     `address`: the cluster's ("auto": the one this machine belongs to); None starts a local
     Ray instance for the run. A process already connected to Ray (`ray.init`) uses that
@@ -368,25 +442,12 @@ class RayExecutor(Executor):
             self.ray.shutdown()
         self._connected_here = False
 
-    def _task_options(self) -> dict:
-        custom = {k: v for k, v in self.resources.items() if k not in ("CPU", "GPU")}
-        options = dict(num_gpus=self.resources.get("GPU", 0.0))
-        if custom:
-            options["resources"] = custom
-        if "CPU" in self.resources:
-            options["num_cpus"] = self.resources["CPU"]
-        return options
-
     def _able_nodes(self) -> list[dict]:
         nodes = [n for n in self.ray.nodes() if n.get("Alive")]
         able = [n for n in nodes if all(n["Resources"].get(k, 0.0) >= v for k, v in self.resources.items())]
         if not able:
-            offered = "; ".join(f"{n['NodeManagerAddress']}: " + ", ".join(
-                f"{k}={v:g}" for k, v in sorted(n["Resources"].items()) if not k.startswith(("node:", "memory",
-                                                                                             "object_store")))
-                for n in nodes) or "no node"
             wanted = ", ".join(f"{k}={v:g}" for k, v in self.resources.items())
-            raise KforgeError(f"no node of the Ray cluster has {wanted} for a pair ({offered}); "
+            raise KforgeError(f"no node of the Ray cluster has {wanted} for a pair ({_offered(nodes)}); "
                               "on a cluster without GPUs pass --ray-resources CPU=1")
         return able
 
@@ -395,7 +456,7 @@ class RayExecutor(Executor):
         return int(min(node["Resources"].get(k, 0.0) // v for k, v in self.resources.items()))
 
     def _new_judge(self, node_id: str | None = None):
-        options = dict(max_restarts=0, **self._task_options())
+        options = dict(max_restarts=0, **_actor_options(self.resources))
         if node_id is not None:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -419,6 +480,69 @@ class RayExecutor(Executor):
         for judge in self._judges or []:
             self.ray.kill(judge)
         self._judges = None
+
+    # -- pairs of several GPUs --------------------------------------------------------------
+
+    def _gpus_for(self, job: Job) -> int:
+        """The GPUs a pair holds: its problem's GPUS, where the judges hold GPUs; on a cluster
+        whose judges hold none (--ray-resources CPU=1) every pair runs on a plain judge."""
+        return job.gpus if self.resources.get("GPU") else 1
+
+    def _bundle(self) -> dict[str, float]:
+        """One GPU of a multi-GPU pair's placement group: a whole GPU, and what a judge holds
+        besides (a CPU unless --ray-resources names an amount; the resources pinning pairs to
+        nodes), so a pair of N GPUs holds what N single-GPU judges would."""
+        return {**self.resources, "GPU": 1.0, "CPU": self.resources.get("CPU", 1.0)}
+
+    def _gang_capacity(self, gpus: int) -> int:
+        """How many pairs of `gpus` GPUs the cluster's nodes hold at once, each on one node."""
+        bundle = self._bundle()
+        return sum(int(min(n["Resources"].get(k, 0.0) // (gpus * v) for k, v in bundle.items()))
+                   for n in self.ray.nodes() if n.get("Alive"))
+
+    def _open_gang(self, gpus: int) -> _Seat:
+        from ray.util.placement_group import placement_group
+
+        # STRICT_PACK: all the pair's GPUs on one node, where they share NVLink
+        seat = _Seat(group=placement_group([self._bundle()] * gpus, strategy="STRICT_PACK"))
+        self._seat_gang(seat)
+        return seat
+
+    def _seat_gang(self, seat: _Seat) -> None:
+        """A judge on the group's first bundle and a lease on each other (Ray runs an actor
+        within one bundle: none sees all the group's GPUs by itself)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        def on(bundle: int) -> dict:
+            return dict(max_restarts=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                seat.group, placement_group_bundle_index=bundle))
+
+        seat.judge = self.ray.remote(**_actor_options(self._bundle()), **on(0))(PairJudge).remote()
+        seat.leases = [self.ray.remote(num_gpus=1, num_cpus=0, **on(bundle))(GpuLease).remote()
+                       for bundle in range(1, seat.group.bundle_count)]
+
+    def _reseat(self, seat: _Seat) -> None:
+        """New actors for a seat whose judge died: a single GPU's anywhere, a gang's in its
+        placement group (which Ray moves to another node if its node was lost)."""
+        if seat.group is None:
+            seat.judge = self._replace(seat.judge)
+            return
+        for actor in [seat.judge, *seat.leases]:
+            self.ray.kill(actor)
+        self._seat_gang(seat)
+
+    def _close_gang(self, seat: _Seat) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in [seat.judge, *seat.leases]:
+            self.ray.kill(actor)
+        remove_placement_group(seat.group)
+
+    def _unplaceable(self, gpus: int) -> str:
+        bundle = ", ".join(f"{k}={v:g}" for k, v in self._bundle().items())
+        nodes = [n for n in self.ray.nodes() if n.get("Alive")]
+        return (f"the problem declares GPUS = {gpus}, and no node of the Ray cluster holds {gpus} bundles of "
+                f"{bundle} ({_offered(nodes)}): run it on a cluster with a node of {gpus} GPUs")
 
     def nodes(self) -> dict[str, str]:
         """{node address: device name} of every node able to run a pair, as its judges describe
@@ -445,10 +569,11 @@ class RayExecutor(Executor):
     @contextmanager
     def evaluator(self, *, options: dict, device_name: str) -> Iterator[Evaluate]:
         """Each call takes a free judge (waiting for one), as `run` hands out pairs; a judge that
-        dies under a pair is replaced and the pair tried once more, then recorded as `crash`."""
-        import threading
-
+        dies under a pair is replaced and the pair tried once more, then recorded as `crash`.
+        Single-GPU pairs only: its judges hold every GPU until the context ends."""
         from ray.exceptions import RayError, RayTaskError
+
+        from kforge.harness.problem import declared_gpus
 
         ray = self.ray
         idle: queue.Queue = queue.Queue()
@@ -457,7 +582,10 @@ class RayExecutor(Executor):
         shared, lock = ray.put(options), threading.Lock()
 
         def evaluate(problem: Path, candidate: Path) -> EvalRecord:
-            job = Job(candidate.name, Path(problem), Path(candidate), key="")
+            job = Job(candidate.name, Path(problem), Path(candidate), key="", gpus=declared_gpus(problem))
+            if self._gpus_for(job) > 1:
+                raise KforgeError(f"{Path(problem).name} declares GPUS = {job.gpus}: the Ray executor places "
+                                  "multi-GPU pairs in a suite (kforge suite), not yet one at a time as they come")
             for attempt in range(1 + RETRIES):
                 judge = idle.get()
                 try:
@@ -475,7 +603,7 @@ class RayExecutor(Executor):
                 if isinstance(result, Refused):
                     raise KforgeError(f"node {result.node} cannot judge {job.name}: {result.reason}")
                 return result
-            return died_record(job, options, device_name, died, _death_status(died), None)
+            return died_record(job, options, device_name, died, _death_status(died), None, 1)
 
         try:
             yield evaluate
@@ -485,16 +613,23 @@ class RayExecutor(Executor):
     # -- the run ----------------------------------------------------------------------------
 
     def run(self, jobs, *, options, device_name, on_start, on_record) -> None:
+        """The pairs by how many GPUs each holds, fewest first, each size on judges of its own:
+        the single-GPU pairs on the judges the device probe started, one a GPU slot; then,
+        for each N > 1, those judges stopped and as many placement groups of N bundles as the
+        nodes hold (no more than the pairs), each with its judge, reused for the size's pairs
+        and removed after them. A size waits only for GPUs no judge of the run still holds,
+        so no pair waits on another's GPUs for ever; the price: GPUs idle while a size's
+        last pairs finish. A size no node can hold is recorded, pair by pair, at once."""
         from ray.exceptions import RayError, RayTaskError
         from ray.util.queue import Queue
 
         ray = self.ray
-        idle = list(self._start_judges())
         events = Queue(actor_options={"num_cpus": 0}) if on_start else None
         shared = ray.put(options)
         by_index = dict(enumerate(jobs))
-        waiting = deque(by_index)
-        running: dict = {}  # the pair's result -> (its index, the judge running it)
+        by_size: dict[int, list[int]] = {}
+        for index, job in by_index.items():
+            by_size.setdefault(self._gpus_for(job), []).append(index)
         tries: Counter[int] = Counter()
         starts: Counter[int] = Counter()
         last_node: dict[int, str] = {}
@@ -510,43 +645,94 @@ class RayExecutor(Executor):
                 starts[started.index] += 1
                 last_node[started.index] = started.node
                 on_start(by_index[started.index], Placement(started.gpu, started.node, started.pid,
-                                                            starts[started.index]))
+                                                            starts[started.index], started.gpus))
 
-        try:
+        def judge_all(indices: list[int], seats: list[_Seat], gpus: int) -> None:
+            idle, waiting = list(seats), deque(indices)
+            running: dict = {}  # the pair's result -> (its index, the seat running it)
             while waiting or running:
                 while waiting and idle:
-                    index, judge = waiting.popleft(), idle.pop()
+                    index, seat = waiting.popleft(), idle.pop()
                     tries[index] += 1
-                    ref = judge.judge.remote(ship(index, by_index[index]), shared, device_name, not self.mix_devices,
-                                             self.fingerprint, events)
-                    running[ref] = (index, judge)
+                    ref = seat.judge.judge.remote(ship(index, by_index[index]), shared, device_name,
+                                                  not self.mix_devices, self.fingerprint, events, seat.leases)
+                    running[ref] = (index, seat)
                 drain()
                 ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_S)
                 drain()
                 for ref in ready:
-                    index, judge = running.pop(ref)
+                    index, seat = running.pop(ref)
                     job = by_index[index]
+                    idle.append(seat)
                     try:
                         result = ray.get(ref)
                     except RayTaskError as exc:  # kforge raised on the node: raised here, as locally
-                        idle.append(judge)
                         raise _node_error(exc) from exc
                     except RayError as exc:  # the judge died under the pair: a new judge, the pair once more
-                        idle.append(self._replace(judge))
+                        self._reseat(seat)
                         if tries[index] <= RETRIES:
                             waiting.appendleft(index)
                             continue
-                        result = died_record(job, options, device_name, exc, _death_status(exc), last_node.get(index))
-                    else:
-                        idle.append(judge)
+                        result = died_record(job, options, device_name, exc, _death_status(exc),
+                                             last_node.get(index), gpus)
                     if isinstance(result, Refused):
                         raise KforgeError(f"node {result.node} cannot judge {job.name}: {result.reason}")
                     on_record(job, result)
+
+        try:
+            for gpus, indices in sorted(by_size.items()):
+                if gpus == 1:
+                    judge_all(indices, [_Seat(judge) for judge in self._start_judges()], 1)
+                    continue
+                self._stop_judges()  # their GPUs, for the groups
+                count = min(self._gang_capacity(gpus), len(indices))
+                if not count:
+                    for index in indices:
+                        job = by_index[index]
+                        on_record(job, unplaced_record(job.problem, job.candidate, options, device_name, gpus,
+                                                       self._unplaceable(gpus)))
+                    continue
+                seats = []
+                try:
+                    seats.extend(self._open_gang(gpus) for _ in range(count))
+                    judge_all(indices, seats, gpus)
+                finally:
+                    for seat in seats:
+                        self._close_gang(seat)
         finally:
             # an interrupt, a refusal, or the end: nothing keeps running or holding a GPU for a store no one writes
             self._stop_judges()
             if events is not None:
                 events.shutdown()
+
+
+@dataclass
+class _Seat:
+    """Where the run hands a pair: a judge, and for a pair of several GPUs the placement group
+    holding them and the leases on its GPUs other than the judge's."""
+
+    judge: object = None
+    group: object = None
+    leases: list = field(default_factory=list)
+
+
+def _actor_options(resources: dict[str, float]) -> dict:
+    """Ray's actor options for a judge holding `resources`."""
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+    options = dict(num_gpus=resources.get("GPU", 0.0))
+    if custom:
+        options["resources"] = custom
+    if "CPU" in resources:
+        options["num_cpus"] = resources["CPU"]
+    return options
+
+
+def _offered(nodes: list[dict]) -> str:
+    """What each node offers, for an error message."""
+    return "; ".join(f"{n['NodeManagerAddress']}: " + ", ".join(
+        f"{k}={v:g}" for k, v in sorted(n["Resources"].items())
+        if not k.startswith(("node:", "memory", "object_store")))
+        for n in nodes) or "no node"
 
 
 def _death_status(exc: Exception) -> str:
@@ -572,7 +758,7 @@ def ship(index: int, job: Job) -> Shipped:
 
 
 def died_record(job: Job, options: dict, device_name: str, exc: Exception, status: str,
-                node: str | None) -> EvalRecord:
+                node: str | None, gpus: int) -> EvalRecord:
     """The record of a pair whose task died on both attempts (the judge could write none)."""
     from kforge.harness.evaluate import identity
 
@@ -581,9 +767,30 @@ def died_record(job: Job, options: dict, device_name: str, exc: Exception, statu
     reason = (f"the Ray worker judging this pair died{where} on each of its {1 + RETRIES} attempts "
               f"({type(exc).__name__}: {first[0][:300] if first else 'no reason given'})")
     return EvalRecord(status=status, reason=reason, details=str(exc)[-4000:] or None, problem=identity(job.problem),
-                      candidate=identity(job.candidate), device={"kind": "unknown", "name": device_name},
+                      candidate=identity(job.candidate), device={"kind": "unknown", "name": device_name, "gpus": gpus},
                       versions={}, baseline=options.get("baseline", "eager"), pair_key=job.key or None)
 
 
-__all__ = ["Executor", "Job", "LocalExecutor", "PairJudge", "Placement", "RayExecutor", "harness_fingerprint",
-           "parse_resources", "suite_device"]
+def unplaced_record(problem: Path, candidate: Path, options: dict, device_name: str, gpus: int,
+                    reason: str) -> EvalRecord:
+    """The record of a pair no machine of the executor can hold (its problem's GPUS): a
+    problem_error, as for a problem that cannot run, since the candidate is not at fault.
+    Its device names the GPUs it needed (`gpus_needed`), so a later run tries it again
+    (`was_placed`): on a bigger machine it may fit."""
+    from kforge.harness.evaluate import identity, pair_key
+
+    problem_id, candidate_id = identity(problem), identity(candidate)
+    baseline = options.get("baseline", "eager")
+    return EvalRecord(status="problem_error", reason=reason, problem=problem_id, candidate=candidate_id,
+                      device={"kind": "unknown", "name": device_name, "gpus": 0, "gpus_needed": gpus}, versions={},
+                      baseline=baseline, pair_key=pair_key(problem_id["sha256"], candidate_id["sha256"], baseline,
+                                                            options.get("size"), device_name))
+
+
+def was_placed(record: dict) -> bool:
+    """Whether a stored record's pair ran (or was meant to): False for `unplaced_record`'s."""
+    return "gpus_needed" not in (record.get("device") or {})
+
+
+__all__ = ["Executor", "GpuLease", "Job", "LocalExecutor", "PairJudge", "Placement", "RayExecutor",
+           "harness_fingerprint", "parse_resources", "suite_device", "was_placed"]

@@ -16,6 +16,7 @@ in fresh workers; the lower of the two stands, and the record says so.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from kforge.harness.evaluate import MIN_TRIALS, check_arguments
@@ -40,6 +41,7 @@ def evaluate_isolated(
     ceilings: Ceilings | None = None,
     command: str | None = None,
     gpu: int | None = None,
+    gpus: Sequence[int | str] = (),
     device_name: str | None = None,
     limits: StageLimits | None = None,
     remeasure_above: float | None = REMEASURE_ABOVE,
@@ -48,16 +50,18 @@ def evaluate_isolated(
 ) -> EvalRecord:
     """Evaluate `candidate` against `problem` across the judge's processes (module docstring).
 
-    `gpu` pins the workers to that GPU; `device_name` (the GPU's, or the CPU's) keys the
-    record's pair. `on_stage(name)` hears each stage as it begins. `min_speedup`: the bar
-    the speedup's 95% interval must clear (default: 1 + the measured noise floor).
+    `gpu` pins the workers to that GPU; `gpus`, to several (a problem's GPUS), in that order,
+    the first being the judge's own (`gpu`, or this process's device 0). `device_name` (the
+    GPU's, or the CPU's) keys the record's pair. `on_stage(name)` hears each stage as it
+    begins. `min_speedup`: the bar the speedup's 95% interval must clear (default: 1 + the
+    measured noise floor).
     """
     check_arguments(problem, candidate, baseline, trials, size, min_speedup)
 
     def run() -> EvalRecord:
         return Judge(Path(problem).resolve(), Path(candidate).resolve(), baseline=baseline, trials=trials,
                      timing=timing or TimingConfig(), size=size, ceilings=ceilings, command=command, gpu=gpu,
-                     device_name=device_name, limits=limits or StageLimits(), on_stage=on_stage,
+                     gpus=tuple(gpus), device_name=device_name, limits=limits or StageLimits(), on_stage=on_stage,
                      min_speedup=min_speedup).run()
 
     record = run()

@@ -152,6 +152,7 @@ class Judge:
     ceilings: Ceilings | None = None
     command: str | None = None
     gpu: int | None = None
+    gpus: tuple[int | str, ...] = ()  # the workers' GPUs when several; the first is the judge's own (`gpu`)
     device_name: str | None = None
     limits: StageLimits = field(default_factory=StageLimits)
     on_stage: Callable[[str], None] | None = None
@@ -506,8 +507,9 @@ class Judge:
 
     def _environment(self) -> dict:
         env = dict(os.environ)
-        if self.gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
+        workers_gpus = self.gpus or (() if self.gpu is None else (self.gpu,))
+        if workers_gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in workers_gpus)
         return env
 
     def _pipes(self) -> tuple[Channel, int, int]:

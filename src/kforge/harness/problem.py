@@ -27,10 +27,17 @@ these kforge names (all optional):
                                  default on a machine without a GPU, or `--size tiny`):
                                  get_inputs()/get_init_inputs() must read their sizes
                                  from those constants
+    GPUS = 2                     how many GPUs one evaluation holds, all on one machine
+                                 (default 1): its workers see exactly those, as
+                                 devices 0..GPUS-1. Read from the file's text, never by
+                                 running it (`declared_gpus`): a suite places the pair
+                                 before any process imports the problem, so write it
+                                 as a plain number
 """
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,6 +209,36 @@ def load_problem(path: str | Path, size: str = "full", constants: Mapping[str, i
     )
 
 
+def declared_gpus(path: str | Path) -> int:
+    """The `GPUS` a problem file declares (module docstring), 1 where it declares none.
+
+    Read from the file's syntax tree: the suite's process decides where a pair runs and must
+    not run the problem's code to do so. A file that does not parse declares nothing here;
+    its evaluation reports it as a problem_error, as for any problem that fails to import.
+    """
+    try:
+        tree = ast.parse(Path(path).read_bytes(), filename=str(path))
+    except SyntaxError:
+        return 1
+    declared = None
+    for statement in tree.body:
+        if isinstance(statement, ast.Assign):
+            targets = statement.targets
+        elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
+            targets = [statement.target]
+        else:
+            continue
+        if any(isinstance(target, ast.Name) and target.id == "GPUS" for target in targets):
+            declared = statement.value  # the last assignment wins, as it would on import
+    if declared is None:
+        return 1
+    try:
+        value = ast.literal_eval(declared)
+    except ValueError:  # an expression: its value is known only by running the file
+        value = None
+    return _parse_gpus(value, f"{ast.unparse(declared)} in {Path(path).name}")
+
+
 def flatten_outputs(outputs: object) -> list:
     """The leaves of a forward's result: a tensor, or (nested) tuples/lists of them."""
     if isinstance(outputs, (tuple, list)):
@@ -296,6 +333,13 @@ def _parse_tags(value) -> list[str]:
     if isinstance(value, (list, tuple)) and all(isinstance(t, str) for t in value):
         return list(value)
     raise ProblemError(f"problem's `tags` must be a list of strings, got {value!r}")
+
+
+def _parse_gpus(value, written: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ProblemError(f"problem's `GPUS` must be a whole number of GPUs of at least 1, written as a number "
+                       f"(GPUS = 2), got {written}")
 
 
 def _parse_forbidden_ops(value) -> list[str]:

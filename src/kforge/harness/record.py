@@ -48,7 +48,7 @@ class EvalRecord:
     status: str
     problem: dict
     candidate: dict
-    device: dict
+    device: dict  # DeviceInfo's fields, `host`, and from a suite's executor `gpus` (see gpus_used)
     versions: dict
     baseline: str = "eager"
     reason: str | None = None  # one line: why the status is not "passed"
@@ -82,6 +82,17 @@ class EvalRecord:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=False, allow_nan=False)
+
+
+def gpus_used(record: dict) -> int:
+    """How many GPUs a record's pair held: its device's `gpus`, written by the suite's executors
+    (0 on the CPU; a problem's GPUS where it declares several). A record without it (one from
+    before the field, or from `kforge eval`) held its device alone: one GPU, or none on the CPU.
+    An optional key, so old records read as before and SCHEMA_VERSION stays."""
+    device = record.get("device") or {}
+    if isinstance(device.get("gpus"), int):
+        return device["gpus"]
+    return 1 if device.get("kind") == "cuda" else 0
 
 
 def append_record(path: str | Path, record: EvalRecord | dict) -> Path:

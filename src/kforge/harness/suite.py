@@ -14,9 +14,11 @@ defence, count as failures. The geometric-mean speedup is over the correct candi
 The store is a JSONL file of EvalRecords, appended and fsynced as each pair ends, so a
 suite killed at any moment (SIGKILL too) loses only the pairs in flight. A pair is
 identified by its key: problem and candidate content hashes, baseline, size and device.
-Running again skips pairs the store has, unless forced; the table is always computed
-from the store, so a resumed run prints the table an uninterrupted one would. Whatever
-executor evaluates the pairs, this process alone writes the store.
+Running again skips pairs the store has, unless forced, but for a pair recorded as needing
+more GPUs than its machine had: that one is tried again, in case this machine has them.
+The table is always computed from the store, so a resumed run prints the table an
+uninterrupted one would. Whatever executor evaluates the pairs, this process alone writes
+the store.
 
 One fast_p scores one kind of device: a suite whose records name several devices is
 refused unless `mix_devices` is given (the rows then say which device each ran on).
@@ -32,8 +34,9 @@ from pathlib import Path
 
 from kforge.errors import KforgeError
 from kforge.harness.evaluate import identity, pair_key
-from kforge.harness.executors import Executor, Job, LocalExecutor, Placement
-from kforge.harness.record import EvalRecord, append_record, read_records
+from kforge.harness.executors import Executor, Job, LocalExecutor, Placement, was_placed
+from kforge.harness.problem import declared_gpus
+from kforge.harness.record import EvalRecord, append_record, gpus_used, read_records
 
 FAST_P = (0.0, 1.0, 1.5, 2.0)
 CORRECT_STATUSES = ("passed", "slower", "tie")  # gate 1 passed and no defence fired against it
@@ -88,6 +91,7 @@ class SuiteRow:
     defences: list[str] = field(default_factory=list)
     reason: str | None = None
     device: str | None = None  # the device its record ran on (None: no record, or none known)
+    gpus: int | None = None  # how many GPUs its record's pair held (record.gpus_used)
 
     @property
     def correct(self) -> bool:
@@ -141,7 +145,8 @@ def run_suite(
     device_name = device_name or executor.device_name
     keys = keys_for(pairs, options, device_name)
     done = store.latest()
-    todo = [p for p in pairs if p.candidate is not None and (force or keys[p.name] not in done)]
+    todo = [p for p in pairs if p.candidate is not None
+            and (force or keys[p.name] not in done or not was_placed(done[keys[p.name]]))]
     by_name = {pair.name: pair for pair in todo}
 
     def started(job: Job, where: Placement) -> None:
@@ -152,7 +157,9 @@ def run_suite(
         if on_done:
             on_done(by_name[job.name], record)
 
-    jobs = [Job(pair.name, pair.problem, pair.candidate, keys[pair.name]) for pair in todo]
+    # every declaration read before any pair runs: a malformed GPUS stops the suite at once
+    jobs = [Job(pair.name, pair.problem, pair.candidate, keys[pair.name], declared_gpus(pair.problem))
+            for pair in todo]
     if jobs:
         executor.run(jobs, options=options, device_name=device_name, on_start=started if on_start else None,
                      on_record=finished)
@@ -193,6 +200,7 @@ def summarize(pairs: Sequence[Pair], keys: dict[str, str], records: dict[str, di
                 defences=record.get("defences") or [],
                 reason=record.get("reason"),
                 device=_device(record),
+                gpus=gpus_used(record),
             ))
     total = len(rows)
     fast_p = {p: sum(fast(row, p) for row in rows) / total for p in FAST_P}
