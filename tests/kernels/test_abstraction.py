@@ -1,9 +1,12 @@
 """The abstraction ladder (kforge/kernels/abstraction, `kforge ladder abstraction`) where there is
-no GPU: the Gluon and CUDA kernels compiled for sm_90a with their SASS read, the Triton levels
+no GPU: the Gluon, CUDA, TileLang and CuTe DSL kernels compiled for sm_90a with their SASS read
+(TileLang's and CuTe DSL's only where they are installed: CI has neither), the Triton levels
 under the interpreter against fp32 references, the line counter, the skip of a missing tool,
 the table from scripted records and the command's errors. On a GPU: every level against torch."""
 
+import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 
@@ -24,6 +27,17 @@ def level(kernel, tool):
     return found
 
 
+def compilable(kernel, tool):
+    """The level, or a skip saying why it cannot compile here: its tool is not installed, or
+    (TileLang) there is no nvcc to compile its CUDA with."""
+    found = level(kernel, tool)
+    if found.missing():
+        pytest.skip(found.missing())
+    if tool == "tilelang" and shutil.which("nvcc") is None:
+        pytest.skip("TileLang compiles with nvcc, which is not on PATH")
+    return found
+
+
 # --- compiled for the H100 without a GPU ---------------------------------------------------
 
 
@@ -36,20 +50,41 @@ def test_gluon_gemm_compiles_to_wgmma_fed_by_tma_and_stored_by_tma_without_spill
 
 
 def test_tilelang_gemm_compiles_to_tma_and_wgmma_without_spills_where_tilelang_and_nvcc_are_installed():
-    import shutil
-
-    tilelang_level = level("gemm", "tilelang")
-    if tilelang_level.missing() or shutil.which("nvcc") is None:
-        pytest.skip(tilelang_level.missing() or "TileLang compiles with nvcc, which is not on PATH")
-    report = measure(tilelang_level, 4096)
+    report = measure(compilable("gemm", "tilelang"), 4096)
     assert report.error is None and report.spills == 0
     # TileLang made the pipeline a TMA producer and wgmma consumers from T.copy, T.gemm and T.Pipelined
     assert report.sass["wgmma"] >= 4 and report.sass["tma_loads"] >= 2
 
 
-@pytest.mark.parametrize("tool", ["gluon", "cuda"])
+def test_cute_gemm_compiles_to_a_warp_specialized_wgmma_kernel_fed_by_tma_where_cute_dsl_is_installed():
+    cute_level = compilable("gemm", "cute")
+    from kforge.kernels.abstraction import cute_gemm
+
+    report = measure(cute_level, 4096)
+    assert report.error is None and report.seconds > 0 and report.spills == 0
+    assert report.registers * cute_gemm.THREADS <= 65536  # the 3 warpgroups fit the SM's register file at launch
+    # the mainloop's 4 wgmma (m64 n256 k16) a k-tile; A's and B's TMA loads; the 8 TMA stores of a C tile
+    assert report.sass["wgmma"] >= 4 and report.sass["tma_loads"] >= 2 and report.sass["tma_stores"] >= 8
+    assert report.sass["setmaxnreg"] >= 2  # the producer gives registers up, the consumers take them
+
+
+def test_cute_gemm_compiles_from_torch_tensors_as_it_does_on_the_gpu():
+    compilable("gemm", "cute")
+    import cuda.bindings.driver as cuda
+
+    from kforge.kernels.abstraction import cute_gemm
+
+    # partial tiles in M, N and K; B's transpose is a strided view: the path `gemm` takes, short of the launch
+    a, b, c = (torch.empty(rows, cols, dtype=torch.bfloat16) for rows, cols in ((1000, 264), (264, 520), (1000, 520)))
+    kernel = cute_gemm.compiled_for(a, b, c, sm_count=132, stream=cuda.CUstream(0))
+    assert callable(kernel)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        cute_gemm.gemm(a[:, :260].contiguous(), b[:260])
+
+
+@pytest.mark.parametrize("tool", ["tilelang", "gluon", "cuda"])
 def test_softmax_levels_compile_to_16_byte_accesses_without_spills(tool):
-    report = measure(level("softmax", tool), 128256)
+    report = measure(compilable("softmax", tool), 128256)
     assert report.error is None and report.spills == 0
     assert report.sass["ldg128"] >= 2 and report.sass["stg128"] >= 1  # both passes' loads, pass 2's store
     assert report.sass["wgmma"] == 0
@@ -126,11 +161,11 @@ def test_every_level_counts_its_own_file():
 
 
 def test_a_missing_tool_is_skipped_with_how_to_install_it(monkeypatch):
-    absent = Level("cute", "gemm", abstraction.HERE / "gluon_gemm.py", None, None, "-",
-                   package="kforge_no_such_tool", extra="cute")
+    absent = dataclasses.replace(level("gemm", "cute"), package="kforge_no_such_tool")
     assert absent.missing() == "cute: skipped, kforge_no_such_tool is not installed (pip install 'kforge[cute]')"
     assert level("gemm", "gluon").missing() is None
-    monkeypatch.setattr(abstraction, "LEVELS", (*abstraction.LEVELS, absent))
+    monkeypatch.setattr(abstraction, "LEVELS", tuple(absent if x == level("gemm", "cute") else x
+                                                     for x in abstraction.LEVELS))
     ladder = get_ladder("abstraction")
     assert "cute" not in [label for label, _ in ladder.steps(None)]
     with pytest.raises(KforgeError, match=r"^cute: skipped, .*pip install 'kforge\[cute\]'"):
@@ -238,3 +273,18 @@ def test_every_softmax_level_matches_torch_on_the_gpu(tool, shape):
         pytest.skip(this.missing())
     x = (2 * torch.randn(shape, device="cuda")).to(torch.bfloat16)
     torch.testing.assert_close(this.run(x).float(), torch.softmax(x.float(), dim=-1), rtol=1e-2, atol=1e-9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tool", [x.tool for x in levels("softmax")])
+def test_every_softmax_level_gives_minus_infinity_probability_zero_and_an_all_masked_row_nan_on_the_gpu(tool):
+    this = level("softmax", tool)
+    if this.missing():
+        pytest.skip(this.missing())
+    x = torch.randn(2, 4104, device="cuda").to(torch.bfloat16)  # one full chunk of 4096 and a partial one
+    x[0, ::3] = -float("inf")
+    x[1] = -float("inf")
+    got = this.run(x).float()
+    assert torch.equal(got[0, ::3], torch.zeros(1368, device="cuda"))
+    torch.testing.assert_close(got[0], torch.softmax(x[0].float(), dim=-1), rtol=1e-2, atol=1e-9)
+    assert torch.isnan(got[1]).all()

@@ -222,6 +222,18 @@ def _tilelang_gemm_compile(size: int):
     return compiled(size, size, size)
 
 
+def _tilelang_softmax(x: torch.Tensor) -> torch.Tensor:
+    from kforge.kernels.abstraction.tilelang_softmax import softmax
+
+    return softmax(x)
+
+
+def _tilelang_softmax_compile(size: int):
+    from kforge.kernels.abstraction.tilelang_softmax import compiled
+
+    return compiled(size)
+
+
 def _tilelang_cubin(kernel) -> bytes:
     """TileLang's runtime module keeps its cubin to itself: the same emitted source through
     nvcc again, with TileLang's headers (what the SASS checks read; not in the compile time)."""
@@ -233,9 +245,27 @@ def _tilelang_cubin(kernel) -> bytes:
                                             f"-I{env.TILELANG_TEMPLATE_PATH}"]))
 
 
+
+def _cute_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    from kforge.kernels.abstraction.cute_gemm import gemm
+
+    return gemm(a, b)
+
+
+def _cute_gemm_compile(size: int):
+    from kforge.kernels.abstraction.cute_gemm import compiled
+
+    return compiled(size, size, size)
+
+
+def _cute_cubin(compiled) -> bytes:
+    """The cubin `cute.compile` kept (`--keep-cubin`) in its artifacts."""
+    return compiled.artifacts.CUBIN
+
 _TRITON_CONTROLS = "tile shapes, warps, pipeline depth, tile order"
 _TILELANG_CONTROLS = "tiles, threads, pipeline stages, buffers and copies; TMA, wgmma, warp roles inferred"
 _GLUON_CONTROLS = "+ register and shared layouts, the TMA + mbarrier ring, wgmma issue and wait"
+_CUTE_CONTROLS = "+ warp roles, setmaxnreg, persistence; MMA and copy atoms on CuTe layouts"
 _CUDA_CONTROLS = "everything, in PTX: warp roles, setmaxnreg, persistence, epilogue overlap"
 
 LEVELS: tuple[Level, ...] = (
@@ -244,9 +274,13 @@ LEVELS: tuple[Level, ...] = (
     Level("tilelang", "gemm", HERE / "tilelang_gemm.py", _tilelang_gemm, _tilelang_gemm_compile, _TILELANG_CONTROLS,
           package="tilelang", extra="tilelang", cubin_of=_tilelang_cubin),
     Level("gluon", "gemm", HERE / "gluon_gemm.py", _gluon_gemm, _gluon_gemm_cubin, _GLUON_CONTROLS),
+    Level("cute", "gemm", HERE / "cute_gemm.py", _cute_gemm, _cute_gemm_compile, _CUTE_CONTROLS, package="cutlass",
+          extra="cute", cubin_of=_cute_cubin),
     Level("cuda", "gemm", HERE.parent / "gemm_bf16" / f"0{CUDA_GEMM_RUNG}_persistent.cu", _cuda_gemm,
           _cuda_gemm_cubin, _CUDA_CONTROLS),
     Level("triton", "softmax", HERE / "triton_softmax.py", _triton_softmax, _triton_softmax_cubin, _TRITON_CONTROLS),
+    Level("tilelang", "softmax", HERE / "tilelang_softmax.py", _tilelang_softmax, _tilelang_softmax_compile,
+          _TILELANG_CONTROLS, package="tilelang", extra="tilelang", cubin_of=_tilelang_cubin),
     Level("gluon", "softmax", HERE / "gluon_softmax.py", _gluon_softmax, _gluon_softmax_cubin, _GLUON_CONTROLS),
     Level("cuda", "softmax", CUDA_SOFTMAX_SOURCE, _cuda_softmax, _cuda_softmax_cubin, _CUDA_CONTROLS),
 )

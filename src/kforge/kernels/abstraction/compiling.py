@@ -20,9 +20,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# What the SASS counts: Hopper's tensor-core MMA (wgmma), TMA loads and stores, 16-byte global accesses.
+# What the SASS counts: Hopper's tensor-core MMA (wgmma), TMA loads and stores, 16-byte global accesses,
+# and setmaxnreg (warp specialization moving registers from the producer to the consumers).
 SASS_COUNTS = {"wgmma": r"\bHGMMA\b", "tma_loads": r"\bUTMALDG\b", "tma_stores": r"\bUTMASTG\b",
-               "ldg128": r"\bLDG\.E\.(?:EL\.|LTC\w+\.|CONSTANT\.)*128\b", "stg128": r"\bSTG\.E\.128\b"}
+               "ldg128": r"\bLDG\.E\.(?:EL\.|LTC\w+\.|CONSTANT\.)*128\b", "stg128": r"\bSTG\.E\.128\b",
+               "setmaxnreg": r"\bUSETMAXREG\b"}
 
 
 @dataclass(frozen=True)
