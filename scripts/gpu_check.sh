@@ -24,7 +24,8 @@
 #   bench-model   (kforge bench model on llama3-8b: decode, batch, trace, prefill; BENCH_MODEL_SECONDS, default 360)
 #   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
 #   fp8-gemv   (the FP8 decode GEMV's GPU tests, and the engine's FP8 decode through it)
-#   deepseek   (chain and tree speculative sampling, MLA decode, DSA's indexer and sparse MLA on the GPU)
+#   deepseek   (chain and tree speculative sampling, MLA decode, DSA's indexer and sparse MLA, the
+#               DeepSeek-shaped model's GPU tests and its speculative generation, on the GPU)
 #   abstraction   (the abstraction ladder's GPU tests, then kforge ladder abstraction for the GEMM and the softmax)
 #   bench-mla   (kforge bench mla: FlashMLA's shapes against the eager and compiled compositions; MLA_SHAPES)
 #   bench-moe   (kforge bench moe: the grouped GEMMs in bf16 and FP8 against torch._grouped_mm and per-expert loops,
@@ -200,7 +201,9 @@ fi
 if [[ $parts == *" deepseek "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_speculative_sampling.py \
     tests/kernels/test_tree_verification.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_sparse.py \
-    2>&1 | tail -8 | tee "$out/pytest-deepseek-gpu.txt"
+    tests/models/test_deepseek.py 2>&1 | tail -8 | tee "$out/pytest-deepseek-gpu.txt"
+  python3 -m kforge.models.deepseek --k 1,2,4 --device cuda --dtype bfloat16 2>&1 | tail -12 \
+    | tee "$out/deepseek-speculation.txt"
 fi
 if [[ $parts == *" abstraction "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_abstraction.py 2>&1 | tail -8 \
