@@ -158,7 +158,7 @@ __device__ __forceinline__ void timeline_mark(u64* slot, bool when) {
 // waves); the remaining tiles' k-tiles, taken in order, are cut into gridDim.x equal shares, so no
 // CTA idles through a partial last wave. A share is shorter than a tile, so it covers the end of
 // one tile and the start of the next at most.
-struct Job { int tile, split, k0, k1; };
+// (Job, one tile and a range of its k-tiles: ../hopper/scheduler.cuh)
 struct Jobs {
     int k_tiles, splits, next_job, end_job, whole_tiles;
     long long shared_next, shared_end;

@@ -43,7 +43,13 @@
 // board at its 700 W cap, and there ours is 1.02-1.04x rowwise. Versions, and the designs that
 // lost (two partials, three consumers, consumers taking turns, a slice-ring epilogue, a K-split
 // tail): docs/worklogs/quant.md.
-#include "../gemm_bf16/hopper.cuh"
+// Built from the Hopper parts (../hopper/): TMA loads and stores, mbarriers, wgmma (fp8_desc, the e4m3
+// m64n128k32), the grouped tile order, the swizzled epilogue.
+#include "../hopper/tma.cuh"
+#include "../hopper/pipeline.cuh"
+#include "../hopper/wgmma.cuh"
+#include "../hopper/scheduler.cuh"
+#include "../hopper/epilogue.cuh"
 
 #ifndef STAGES
 #define STAGES 4
@@ -79,11 +85,6 @@ static_assert(BN == 128 || BN == 256, "one or two 128-column halves");
 #endif                    // as 1: acc += p (FADD), 3: acc += p * constant
 
 static_assert(BN % (8 * CLUSTER_M) == 0, "each CTA of a cluster loads an equal share of B's rows");
-
-// A 128-byte-swizzled K-major tile of e4m3 (rows of 128 values); the k-th 32-wide slice starts 32 bytes in.
-__device__ __forceinline__ u64 fp8_desc(const unsigned char* tile, int kslice) {
-    return smem_desc(tile + 32 * kslice, 16, 1024);
-}
 
 // The promotion of one 128-column half: acc += partial * (sa[row] * sb), the factor lo for this
 // thread's upper row and hi for the row 8 below (register 4i + 2r + e: row 16 warp + lane/4 + 8r).
