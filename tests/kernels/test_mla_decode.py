@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kforge.kernels.mla import decode as decode_module
-from kforge.kernels.mla.decode import (MlaPlan, mla_decode, mla_decode_flops, mla_decode_min_bytes,
-                                       mla_decode_reference, plan_mla_decode)
+from kforge.kernels.mla.decode import (Fp8LatentCache, MlaPlan, mla_decode, mla_decode_flops, mla_decode_fp8,
+                                       mla_decode_min_bytes, mla_decode_reference, plan_mla_decode)
 from kforge.ops import mla_decode as mla_decode_op
 
 D, DV, PAGE = 576, 512, 64
@@ -312,6 +312,80 @@ def test_default_tiles_compile_for_the_h100_without_spills():
     assert found["rows 256 bf16"]["hgmma"] > 0  # 64-row blocks run on wgmma
 
 
+# --- the FP8 latent cache --------------------------------------------------------------------------
+
+def test_fp8_cache_quantizes_each_group_of_128_to_e4m3s_range():
+    latent = _latent([70, 3], torch.bfloat16, seed=2)
+    cache = latent.cache.nan_to_num()  # the pool's unused slots are NaN; quantize the real rows
+    cache[0, 5, 0, :128] = 0  # an all-zero group keeps scale 1
+    fp8 = Fp8LatentCache.quantize(cache)
+    assert fp8.latent.dtype == torch.float8_e4m3fn and fp8.scales.shape == (*cache.shape[:2], 4)
+    assert fp8.scales[0, 5, 0] == 1 and (fp8.latent[0, 5, :128].float() == 0).all()
+    assert fp8.latent.float().abs().amax() <= 448 and torch.equal(fp8.rope, cache[:, :, 0, DV:])
+    back = fp8.dequantize(torch.float32)[:, :, 0, :DV]
+    exact = cache[:, :, 0, :DV].float()
+    # e4m3 keeps 3 mantissa bits: each value within 2^-4 of itself, or of its group's scale near 0
+    slack = 2.0 ** -4 * exact.abs() + fp8.scales.repeat_interleave(128, -1) * 2.0 ** -9
+    assert ((back - exact).abs() <= slack).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("s_q, causal, config", [(1, False, SPLIT), (2, True, WHOLE)], ids=["split", "whole"])
+def test_fp8_cache_kernel_matches_float64_of_what_it_reads(s_q, causal, config, nan_buffers, mended):
+    latent = _latent([0, 1, 65, 130], torch.bfloat16, seed=s_q)
+    fp8 = Fp8LatentCache.quantize(latent.cache)
+    q = _query(4, s_q, 3, torch.bfloat16, seed=7)
+    out, lse = mla_decode_fp8(q, fp8, latent.table, latent.seqlens, softmax_scale=0.06, causal=causal,
+                              config=config)
+    read = fp8.dequantize(torch.bfloat16)  # what the kernel computes with: e4m3 x scale, in bf16
+    expected = mla_decode_reference(q.double(), read.double(), latent.table, latent.seqlens, softmax_scale=0.06,
+                                    causal=causal)
+    _assert_close(out, lse, expected[0].double(), expected[1].double(), torch.bfloat16)
+    # the format's cost against the bf16 cache it came from, on these random rows
+    exact = mla_decode_reference(q.double(), latent.cache.double(), latent.table, latent.seqlens,
+                                 softmax_scale=0.06, causal=causal)[0]
+    seen = exact.abs().amax() > 0
+    assert seen and (out.double() - exact).abs().max() / exact.abs().max() < 0.08
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda q, c: (q, Fp8LatentCache(c.latent.to(torch.bfloat16), c.scales, c.rope)), "must be float8_e4m3fn"),
+    (lambda q, c: (q, Fp8LatentCache(c.latent, c.scales[..., :2], c.rope)), "scales must be fp32"),
+    (lambda q, c: (q, Fp8LatentCache(c.latent, c.scales, c.rope.half())), "in q's dtype"),
+    (lambda q, c: (q.float(), Fp8LatentCache(c.latent, c.scales, c.rope.float())), "bf16 or fp16"),
+    (lambda q, c: (q, Fp8LatentCache(c.latent, c.scales, c.rope[..., :32])), "is not the cache's 512 \\+ 32"),
+])
+def test_fp8_cache_bad_inputs_are_refused(change, message):
+    latent = _latent([3, 70], torch.bfloat16)
+    q, fp8 = change(_query(2, 1, 2, torch.bfloat16), Fp8LatentCache.quantize(latent.cache.nan_to_num()))
+    with pytest.raises(ValueError, match=message):
+        mla_decode_fp8(q, fp8, latent.table, latent.seqlens)
+
+
+@pytest.mark.slow
+def test_fp8_cache_build_compiles_for_the_h100_without_spills():
+    sys.path.insert(0, str(Path(__file__).parent))
+    from triton_sm90 import compile_sm90, spec
+
+    pointers = ("q_ptr", "cache_ptr", "block_table_ptr", "seqlens_ptr", "out_ptr", "lse_ptr", "part_out_ptr",
+                "part_lse_ptr", "scale_ptr", "rope_ptr")
+    types = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "out_ptr": "*bf16", "rope_ptr": "*bf16",
+             "block_table_ptr": "*i32", "seqlens_ptr": "*i32", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
+             "part_lse_ptr": "*fp32", "scale_ptr": "*fp32", "qk_scale": "fp32"}
+    strides = ("stride_qb", "stride_qs", "stride_qh", "stride_cp", "stride_ct", "stride_rp", "stride_rt")
+    types.update({name: "i32" for name in strides + ("stride_table", "stride_sp", "stride_st", "h_q", "s_q",
+                                                     "max_pages", "num_splits", "split_size")})
+    found = compile_sm90([
+        spec(f"fp8 rows {rows}", "kforge.kernels.mla.decode", "mla_decode_split_kernel", types,
+             dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, D_V=DV, D_ROPE=D - DV, PAGE_SIZE=PAGE, CAUSAL=True,
+                  SPLIT=True, DOT_PRECISION="tf32", FP8_CACHE=True),
+             aligned=pointers + strides, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        for rows, plan in ((16, plan_mla_decode(128, 16, 16384)), (256, plan_mla_decode(128, 256, 16384)))])
+    for label, used in found.items():
+        assert used["spills"] == 0 and used["local"] == 0, (label, used)
+    assert found["fp8 rows 256"]["hgmma"] > 0
+
+
 # --- on the GPU --------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -339,6 +413,19 @@ def test_gpu_other_dtypes_and_one_long_request(dtype):
     out64, lse64 = out.double().cpu(), lse.double().cpu()
     assert (out64 - expected[0].cpu()).abs().max() / expected[0].abs().max() < tolerance
     torch.testing.assert_close(lse64, expected[1].double().cpu(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q", [16, 128])
+def test_gpu_fp8_cache_matches_float64_of_what_it_reads(h_q):
+    lengths = [4096, 1, 65, 1000, 0, 777, 4095, 2]
+    latent = _latent(lengths, torch.bfloat16, seed=h_q, device="cuda")
+    fp8 = Fp8LatentCache.quantize(latent.cache.nan_to_num())
+    q = _query(len(lengths), 2, h_q, torch.bfloat16, seed=13, device="cuda")
+    out, lse = mla_decode_fp8(q, fp8, latent.table, latent.seqlens, causal=True)
+    expected = mla_decode_reference(q.double(), fp8.dequantize(torch.bfloat16).double(), latent.table,
+                                    latent.seqlens, causal=True)
+    _assert_close(out, lse, expected[0].cpu(), expected[1].double().cpu(), torch.bfloat16)
 
 
 # --- the benchmark's problem -------------------------------------------------------------------

@@ -76,6 +76,8 @@ MIN_SPLIT_TOKENS = 256
 MAX_COMBINE_BLOCK = 16
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PAGE_SIZES = (16, 32, 64, 128, 256)
+FP8_GROUP = 128  # latent values sharing one scale in the FP8 cache (FlashMLA's)
+_FP8_GROUP = tl.constexpr(FP8_GROUP)  # the same, for the kernel
 
 
 @triton.jit
@@ -83,8 +85,10 @@ def mla_decode_split_kernel(
         q_ptr, cache_ptr, block_table_ptr, seqlens_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
         stride_qb, stride_qs, stride_qh, stride_cp, stride_ct, stride_table,
         h_q, s_q, max_pages, num_splits, split_size, qk_scale,
+        scale_ptr, rope_ptr, stride_sp, stride_st, stride_rp, stride_rt,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr,
-        PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        FP8_CACHE: tl.constexpr = False):
     rows_total = s_q * h_q
     m_blocks = tl.cdiv(rows_total, BLOCK_M)
     request = tl.program_id(0) // m_blocks
@@ -121,8 +125,19 @@ def mla_decode_split_kernel(
         live = offs_n < end
         page = tl.load(table + offs_n // PAGE_SIZE, mask=live, other=0).to(tl.int64)
         token_rows = cache_ptr + page * stride_cp + (offs_n % PAGE_SIZE) * stride_ct
-        kv = tl.load(token_rows[:, None] + offs_v[None, :], mask=live[:, None], other=0.0)  # K's first 512 and V
-        k_rope = tl.load(token_rows[:, None] + D_V + offs_r[None, :], mask=live[:, None], other=0.0)
+        if FP8_CACHE:  # e4m3 latent x its group's fp32 scale, rounded to q's dtype for both dots
+            slot = offs_n % PAGE_SIZE
+            latent = tl.load(token_rows[:, None] + offs_v[None, :], mask=live[:, None], other=0.0)
+            groups = tl.arange(0, D_V // _FP8_GROUP)
+            scale = tl.load((scale_ptr + page * stride_sp + slot * stride_st)[:, None] + groups[None, :],
+                            mask=live[:, None], other=0.0)  # [BLOCK_N, D_V / 128]
+            grouped = tl.reshape(latent.to(tl.float32), [BLOCK_N, D_V // _FP8_GROUP, _FP8_GROUP]) * scale[:, :, None]
+            kv = tl.reshape(grouped, [BLOCK_N, D_V]).to(q_nope.dtype)
+            k_rope = tl.load((rope_ptr + page * stride_rp + slot * stride_rt)[:, None] + offs_r[None, :],
+                             mask=live[:, None], other=0.0)
+        else:
+            kv = tl.load(token_rows[:, None] + offs_v[None, :], mask=live[:, None], other=0.0)  # K's first 512, V
+            k_rope = tl.load(token_rows[:, None] + D_V + offs_r[None, :], mask=live[:, None], other=0.0)
         s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
         s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PRECISION) * qk_scale
         visible = live[None, :] & (offs_n[None, :] < limit[:, None])
@@ -238,9 +253,11 @@ def plan_mla_decode(batch: int, rows: int, max_tokens: int, num_sms: int = H100_
 
 
 def check_mla_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                     cache_seqlens: torch.Tensor, head_dim_v: int, softmax_scale: float | None) -> float:
+                     cache_seqlens: torch.Tensor, head_dim_v: int, softmax_scale: float | None,
+                     same_device: bool = True) -> float:
     """Raise ValueError on anything the kernels cannot take (shapes, dtypes, devices, strides; no
-    device read); return the softmax scale (default 1/sqrt(q's head dim), as FlashMLA)."""
+    device read); return the softmax scale (default 1/sqrt(q's head dim), as FlashMLA).
+    `same_device` False: kv_cache is a stand-in of the shape only (the FP8 cache checks its own)."""
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D (batch, s_q, h_q, head_dim), got {tuple(q.shape)}")
     if kv_cache.dim() != 4 or kv_cache.shape[2] != 1:
@@ -271,7 +288,7 @@ def check_mla_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     if block_table.dtype != torch.int32 or cache_seqlens.dtype != torch.int32:
         raise ValueError(f"block_table and cache_seqlens must be int32, got {block_table.dtype} and "
                          f"{cache_seqlens.dtype}")
-    devices = {t.device for t in (q, kv_cache, block_table, cache_seqlens)}
+    devices = {t.device for t in (q, *((kv_cache,) if same_device else ()), block_table, cache_seqlens)}
     if len(devices) != 1:
         raise ValueError(f"the inputs are on different devices: {sorted(map(str, devices))}")
     if block_table.stride(1) != 1 or cache_seqlens.stride(0) != 1:
@@ -319,10 +336,96 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     tables are trusted (a serving loop, a CUDA graph): lengths are then clamped to the block-table
     row. `config` fixes the tiling and the splits (see `plan_mla_decode`)."""
     scale = check_mla_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale)
-    batch, s_q, h_q, head_dim = q.shape
-    num_pages, page_size, _, _ = kv_cache.shape
     if validate:
-        check_mla_table_values(block_table, cache_seqlens, num_pages, page_size)
+        check_mla_table_values(block_table, cache_seqlens, kv_cache.shape[0], kv_cache.shape[1])
+    cache_args = (kv_cache, kv_cache.stride(0), kv_cache.stride(1))
+    return _launch(q, cache_args, None, block_table, cache_seqlens, head_dim_v, kv_cache.shape[1], scale, causal,
+                   config)
+
+
+@dataclass(frozen=True)
+class Fp8LatentCache:
+    """The latent cache in FP8, as FlashMLA keeps it: per token, the 512 latent values in e4m3 with
+    one fp32 scale per 128 (656 bytes with the RoPE part, against 1152 in bf16), and the 64 RoPE
+    values in q's dtype (they are few, and rotated values lose more to rounding).
+
+    latent (num_pages, page_size, head_dim_v) float8_e4m3fn, scales (num_pages, page_size,
+    head_dim_v / 128) fp32, rope (num_pages, page_size, rope_dim) bf16 or fp16."""
+
+    latent: torch.Tensor
+    scales: torch.Tensor
+    rope: torch.Tensor
+
+    @classmethod
+    def quantize(cls, kv_cache: torch.Tensor, head_dim_v: int = 512) -> Fp8LatentCache:
+        """From a (num_pages, page_size, 1, head_dim) cache: each group of 128 latent values scaled
+        so its largest magnitude is e4m3's largest (448); an all-zero group keeps scale 1."""
+        rows = kv_cache[:, :, 0]
+        pages, page_size, _ = rows.shape
+        groups = rows[..., :head_dim_v].float().reshape(pages, page_size, head_dim_v // FP8_GROUP, FP8_GROUP)
+        largest = groups.abs().amax(-1)
+        scales = torch.where(largest > 0, largest / torch.finfo(torch.float8_e4m3fn).max, 1.0)
+        latent = (groups / scales[..., None]).reshape(pages, page_size, head_dim_v).to(torch.float8_e4m3fn)
+        return cls(latent, scales, rows[..., head_dim_v:].contiguous())
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The (num_pages, page_size, 1, head_dim) cache the kernel computes with: each latent value
+        times its scale, rounded to `dtype` (as the kernel rounds it for its dots), then the RoPE part."""
+        pages, page_size, width = self.latent.shape
+        groups = self.latent.float().reshape(pages, page_size, width // FP8_GROUP, FP8_GROUP) * self.scales[..., None]
+        latent = groups.reshape(pages, page_size, width).to(dtype)
+        return torch.cat([latent, self.rope.to(dtype)], -1)[:, :, None]
+
+
+def check_fp8_cache(q: torch.Tensor, cache: Fp8LatentCache) -> int:
+    """Raise ValueError unless `cache` is an FP8 latent cache `q` can attend to; return head_dim_v."""
+    latent, scales, rope = cache.latent, cache.scales, cache.rope
+    if latent.dim() != 3 or latent.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"the FP8 cache's latent must be float8_e4m3fn (num_pages, page_size, head_dim_v), got "
+                         f"{latent.dtype} {tuple(latent.shape)}")
+    pages, page_size, head_dim_v = latent.shape
+    if head_dim_v % FP8_GROUP:
+        raise ValueError(f"head_dim_v must be a multiple of {FP8_GROUP} (one scale per {FP8_GROUP}), got {head_dim_v}")
+    if scales.shape != (pages, page_size, head_dim_v // FP8_GROUP) or scales.dtype != torch.float32:
+        raise ValueError(f"the FP8 cache's scales must be fp32 {(pages, page_size, head_dim_v // FP8_GROUP)}, got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    if rope.dim() != 3 or rope.shape[:2] != (pages, page_size) or rope.dtype != q.dtype:
+        raise ValueError(f"the FP8 cache's rope must be (num_pages, page_size, rope_dim) in q's dtype {q.dtype}, got "
+                         f"{rope.dtype} {tuple(rope.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"an FP8 cache is read into bf16 or fp16 dots: q must be one of them, got {q.dtype}")
+    if latent.stride(2) != 1 or scales.stride(2) != 1 or rope.stride(2) != 1:
+        raise ValueError("the FP8 cache's tensors need a contiguous last dim")
+    if len({latent.device, scales.device, rope.device, q.device}) != 1:
+        raise ValueError("the FP8 cache and q are on different devices")
+    return head_dim_v
+
+
+def mla_decode_fp8(q: torch.Tensor, cache: Fp8LatentCache, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                   *, softmax_scale: float | None = None, causal: bool = False, validate: bool = True,
+                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_decode` over an FP8 latent cache (`Fp8LatentCache`): each tile's latent is scaled back
+    and rounded to q's dtype in registers, then the same dots and softmax run. q (batch, s_q, h_q,
+    head_dim_v + rope_dim) in bf16 or fp16."""
+    head_dim_v = check_fp8_cache(q, cache)
+    pages, page_size, _ = cache.latent.shape
+    # the shape checks shared with the bf16 cache, on a stand-in of the cache's logical shape
+    stand_in = torch.empty((pages, page_size, 1, q.shape[3]), dtype=q.dtype, device="meta")
+    scale = check_mla_inputs(q, stand_in, block_table, cache_seqlens, head_dim_v, softmax_scale, same_device=False)
+    if cache.rope.shape[2] != q.shape[3] - head_dim_v:
+        raise ValueError(f"q's head dim {q.shape[3]} is not the cache's {head_dim_v} + {cache.rope.shape[2]}")
+    if validate:
+        check_mla_table_values(block_table, cache_seqlens, pages, page_size)
+    cache_args = (cache.latent, cache.latent.stride(0), cache.latent.stride(1))
+    fp8_args = (cache.scales, cache.rope, cache.scales.stride(0), cache.scales.stride(1), cache.rope.stride(0),
+                cache.rope.stride(1))
+    return _launch(q, cache_args, fp8_args, block_table, cache_seqlens, head_dim_v, page_size, scale, causal, config)
+
+
+def _launch(q, cache_args, fp8_args, block_table, cache_seqlens, head_dim_v: int, page_size: int, scale: float,
+            causal: bool, config: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both kernels on checked inputs: the bf16/fp16/fp32 cache (fp8_args None) or the FP8 one."""
+    batch, s_q, h_q, head_dim = q.shape
     out = _empty((batch, s_q, h_q, head_dim_v), q.dtype, q.device)
     lse = _empty((batch, h_q, s_q), torch.float32, q.device)
     if batch == 0:
@@ -336,14 +439,17 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         part_lse = _empty((batch, rows, plan.num_splits), torch.float32, q.device)
     else:
         part_out = part_lse = out  # not touched without SPLIT
+    cache, stride_cp, stride_ct = cache_args
+    scales, rope, stride_sp, stride_st, stride_rp, stride_rt = fp8_args or (out, out, 0, 0, 0, 0)  # unread: bf16
     grid = (batch * triton.cdiv(rows, plan.block_m), plan.num_splits)
     mla_decode_split_kernel[grid](
-        q, kv_cache, block_table, cache_seqlens, out, lse, part_out, part_lse,
-        q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        q, cache, block_table, cache_seqlens, out, lse, part_out, part_lse,
+        q.stride(0), q.stride(1), q.stride(2), stride_cp, stride_ct, block_table.stride(0),
         h_q, s_q, max_pages, plan.num_splits, plan.split_size, scale * LOG2E,
+        scales, rope, stride_sp, stride_st, stride_rp, stride_rt,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, D_V=head_dim_v, D_ROPE=head_dim - head_dim_v,
         PAGE_SIZE=page_size, CAUSAL=bool(causal), SPLIT=plan.split,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_CACHE=fp8_args is not None,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.split:
         mla_decode_combine_kernel[(batch * rows,)](
