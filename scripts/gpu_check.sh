@@ -26,6 +26,7 @@
 #   fp8-gemv   (the FP8 decode GEMV's GPU tests, and the engine's FP8 decode through it)
 #   deepseek   (chain and tree speculative sampling, MLA decode, DSA's indexer and sparse MLA, the
 #               DeepSeek-shaped model's GPU tests and its speculative generation, on the GPU)
+#   dsa   (scripts/dsa_sweep.py: DSA against dense MLA decode by context length, the crossover; the FP8 latent cache)
 #   abstraction   (the abstraction ladder's GPU tests, then kforge ladder abstraction for the GEMM and the softmax)
 #   bench-mla   (kforge bench mla: FlashMLA's shapes against the eager and compiled compositions; MLA_SHAPES)
 #   bench-moe   (kforge bench moe: the grouped GEMMs in bf16 and FP8 against torch._grouped_mm and per-expert loops,
@@ -204,6 +205,9 @@ if [[ $parts == *" deepseek "* ]]; then
     tests/models/test_deepseek.py 2>&1 | tail -8 | tee "$out/pytest-deepseek-gpu.txt"
   python3 -m kforge.models.deepseek --k 1,2,4 --device cuda --dtype bfloat16 2>&1 | tail -12 \
     | tee "$out/deepseek-speculation.txt"
+fi
+if [[ $parts == *" dsa "* ]]; then
+  PYTHONPATH=src:scripts timeout 540 python3 scripts/dsa_sweep.py 2>&1 | tee "$out/dsa-sweep.txt"
 fi
 if [[ $parts == *" abstraction "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_abstraction.py 2>&1 | tail -8 \
