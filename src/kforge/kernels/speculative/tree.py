@@ -64,6 +64,21 @@ def _row_sum(p_row, q_row, c, V, Q_MODE: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _row_argmax(p_row, V, BLOCK_V: tl.constexpr):
+    """The first index of a vocabulary row's largest value (the reference's tie rule)."""
+    offs_v = tl.arange(0, BLOCK_V)
+    top = -1.0
+    best = 0
+    for v0 in range(0, V, BLOCK_V):
+        p = tl.load(p_row + v0 + offs_v, mask=v0 + offs_v < V, other=-1.0).to(tl.float32)
+        block_top = tl.max(p, 0)
+        block_arg = tl.min(tl.where(p == block_top, v0 + offs_v, V), 0)
+        best = tl.where(block_top > top, block_arg, best)
+        top = tl.maximum(top, block_top)
+    return best
+
+
+@triton.jit
 def tree_verify_kernel(tokens_ptr, first_child_ptr, next_sibling_ptr, target_ptr, draft_ptr, uniforms_ptr,
                        out_ids_ptr, out_nodes_ptr, emitted_ptr,
                        stride_nb, stride_tb, stride_tn, stride_db, stride_dn, stride_ub, stride_ob,
@@ -85,13 +100,7 @@ def tree_verify_kernel(tokens_ptr, first_child_ptr, next_sibling_ptr, target_ptr
         z = _row_sum(p_row, q_row, c, V, 0, BLOCK_V)
     best = 0
     if MODE == 0:  # greedy: the argmax of the root's row
-        top = -1.0
-        for v0 in range(0, V, BLOCK_V):
-            p = tl.load(p_row + v0 + offs_v, mask=v0 + offs_v < V, other=-1.0).to(tl.float32)
-            block_top = tl.max(p, 0)
-            block_arg = tl.min(tl.where(p == block_top, v0 + offs_v, V), 0)
-            best = tl.where(block_top > top, block_arg, best)
-            top = tl.maximum(top, block_top)
+        best = _row_argmax(p_row, V, BLOCK_V)
     while child >= 0:
         token = tl.load(tokens_ptr + tree + child)
         if MODE == 0:
@@ -116,14 +125,7 @@ def tree_verify_kernel(tokens_ptr, first_child_ptr, next_sibling_ptr, target_ptr
             if MODE != 0:
                 z = _row_sum(p_row, q_row, c, V, 0, BLOCK_V)
             else:
-                top = -1.0
-                best = 0
-                for v0 in range(0, V, BLOCK_V):
-                    p = tl.load(p_row + v0 + offs_v, mask=v0 + offs_v < V, other=-1.0).to(tl.float32)
-                    block_top = tl.max(p, 0)
-                    block_arg = tl.min(tl.where(p == block_top, v0 + offs_v, V), 0)
-                    best = tl.where(block_top > top, block_arg, best)
-                    top = tl.maximum(top, block_top)
+                best = _row_argmax(p_row, V, BLOCK_V)
             child = tl.load(first_child_ptr + tree + cur)
         else:
             if MODE == 1:
