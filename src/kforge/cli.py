@@ -450,8 +450,7 @@ def ladder_command(
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from kforge.harness.record import read_records
-    from kforge.ladder import get_ladder, ladder_rows, latest_per_step, require_gpu, run_ladder, save_chart
+    from kforge.ladder import get_ladder, ladder_rows, require_gpu, run_ladder, save_chart
     from kforge.views import ladder_view
 
     ladder = get_ladder(family.value, dtype, kernel)
@@ -465,13 +464,7 @@ def ladder_command(
     results = results or default_results(f"{stem}.jsonl")
     chart = chart or results.with_suffix(".png")
     if replot:
-        if not results.is_file():
-            raise KforgeError(f"nothing to replot: {results} does not exist")
-        with _store_warnings():
-            records = latest_per_step(read_records(results))
-        if not records:
-            raise KforgeError(f"nothing to replot: {results} holds no records")
-        device_name, size_text = records[0]["device"]["name"], records[0]["problem"].get("size")
+        records, device_name, size_text = _ladder_records(results)
     else:
         require_gpu()
         steps = ladder.sweep() if sweep else ladder.steps(rungs.split(",") if rungs else None)
@@ -496,15 +489,28 @@ def ladder_command(
     save_chart_or_say(save_chart, rows, chart, title=title, library=ladder.library)
 
 
+def _ladder_records(results: Path) -> tuple[list, str, str]:
+    """A ladder's latest record per step from its store, for --replot: (records, device, size)."""
+    from kforge.harness.record import read_records
+    from kforge.ladder import latest_per_step
+
+    if not results.is_file():
+        raise KforgeError(f"nothing to replot: {results} does not exist")
+    with _store_warnings():
+        records = latest_per_step(read_records(results))
+    if not records:
+        raise KforgeError(f"nothing to replot: {results} holds no records")
+    return records, records[0]["device"]["name"], records[0]["problem"].get("size")
+
+
 def abstraction_ladder(ladder, size: int, rungs: str | None, time_budget: float, results: Path | None,
                        chart: Path | None, replot: bool, compile_only: bool, json_output: bool) -> None:
     """`kforge ladder abstraction`: each installed level through both gates (or, --replot, from
     the records; --compile-only, none), each compiled for sm_90a from a cold cache, one table."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from kforge.harness.record import read_records
     from kforge.kernels.abstraction.compiling import measure
-    from kforge.ladder import abstraction_rows, ladder_rows, latest_per_step, require_gpu, run_ladder, save_chart
+    from kforge.ladder import abstraction_rows, ladder_rows, require_gpu, run_ladder, save_chart
     from kforge.views import abstraction_view
 
     if replot and compile_only:
@@ -516,13 +522,7 @@ def abstraction_ladder(ladder, size: int, rungs: str | None, time_budget: float,
     chart = chart or results.with_suffix(".png")
     records, device_name, size_text = [], "this machine", f"{size:,}"
     if replot:
-        if not results.is_file():
-            raise KforgeError(f"nothing to replot: {results} does not exist")
-        with _store_warnings():
-            records = latest_per_step(read_records(results))
-        if not records:
-            raise KforgeError(f"nothing to replot: {results} holds no records")
-        device_name, size_text = records[0]["device"]["name"], records[0]["problem"].get("size")
+        records, device_name, size_text = _ladder_records(results)
     elif not compile_only:
         require_gpu()
     for line in skipped:
