@@ -45,15 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kforge.kernels.mla.decode import (
-    LOG2E,
-    MAX_COMBINE_BLOCK,
-    PAGE_SIZES,
-    _empty,
-    check_mla_inputs,
-    check_mla_table_values,
-    mla_decode_combine_kernel,
-)
+from kforge.kernels.mla.decode import (H100_SMS, LOG2E, MAX_COMBINE_BLOCK, PAGE_SIZES, _empty, check_mla_inputs,
+                                       check_mla_table_values, mla_decode_combine_kernel, plan_mla_decode)
 
 INDEX_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32)
 
@@ -266,19 +259,6 @@ def check_sparse_indices(indices: torch.Tensor, batch: int, s_q: int) -> int:
     return indices.shape[2]
 
 
-def plan_sparse_decode(batch: int, s_q: int, h_q: int, topk: int, num_sms: int,
-                       element_size: int = 2) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, split_size, num_splits): decode.py's tiles, and as many splits of the
-    index list as bring the grid to ~2 programs an SM, none under 256 indices."""
-    wide = element_size > 2
-    block_m = min(32 if wide else 64, max(16, triton.next_power_of_2(h_q)))
-    block_n = 16 if wide else 32
-    programs = batch * s_q * math.ceil(h_q / block_m)
-    splits = max(1, min(math.ceil(2 * num_sms / programs), math.ceil(topk / 256)))
-    split_size = math.ceil(math.ceil(topk / splits) / block_n) * block_n
-    return block_m, block_n, split_size, math.ceil(topk / split_size)
-
-
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                       cache_seqlens: torch.Tensor, indices: torch.Tensor, head_dim_v: int = 512, *,
                       softmax_scale: float | None = None, validate: bool = True,
@@ -286,8 +266,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     """(out (batch, s_q, h_q, head_dim_v) in q's dtype, lse (batch, h_q, s_q) fp32): MLA decode
     (`decode.mla_decode`'s inputs) over only the tokens `indices` (batch, s_q, topk) int32 lists
     for each query token; -1, and any index outside [0, cache_seqlens[b]), is skipped. A query
-    token with no valid index gets out = 0 and lse = -inf. `config` (BLOCK_M, BLOCK_N,
-    split_size) fixes the tiling, for the interpreter tests."""
+    token with no valid index gets out = 0 and lse = -inf. `config` fixes the tiling and the
+    splits, as for `decode.plan_mla_decode`."""
     scale = check_mla_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale)
     batch, s_q, h_q, head_dim = q.shape
     topk = check_sparse_indices(indices, batch, s_q)
@@ -300,13 +280,11 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     lse = _empty((batch, h_q, s_q), torch.float32, q.device)
     if batch == 0:
         return out, lse
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-    block_m, block_n, split_size, num_splits = plan_sparse_decode(batch, s_q, h_q, topk, num_sms, q.element_size())
-    if config:
-        block_m, block_n = config.get("BLOCK_M", block_m), config.get("BLOCK_N", block_n)
-        split_size = config.get("split_size", split_size)
-        num_splits = math.ceil(topk / split_size)
-    split = num_splits > 1
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else H100_SMS
+    # dense decode's plan, with each query token's heads as the rows and its index list as the context
+    plan = plan_mla_decode(batch * s_q, h_q, topk, num_sms, config, q.element_size())
+    block_m, block_n, split_size, num_splits, split = (plan.block_m, plan.block_n, plan.split_size, plan.num_splits,
+                                                       plan.split)
     rows = s_q * h_q
     if split:
         part_out = _empty((batch, rows, num_splits, head_dim_v), torch.float32, q.device)
@@ -320,7 +298,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         indices.stride(0), indices.stride(1), h_q, s_q, block_table.shape[1], topk, num_splits, split_size,
         scale * LOG2E, BLOCK_M=block_m, BLOCK_N=block_n, D_V=head_dim_v, D_ROPE=head_dim - head_dim_v,
         PAGE_SIZE=page_size, SPLIT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8, num_stages=2)
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
     if split:
         # every split of the list was written: the list's length stands in for the context's
         written = torch.full((batch,), topk, dtype=torch.int32, device=q.device)
