@@ -27,6 +27,7 @@ See docs/harness.md for the threat model: what this defends and what it does not
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shutil
@@ -64,6 +65,7 @@ COVER_MS = (1.0, 1.5)
 # Passes of gate 2 on which the claims check must fire before it rejects (the second, on
 # fresh draws, runs only when the first fired).
 CLAIMS_PASSES = 2
+NOISE_Z = 4.0  # the claims check's allowance grows by this many standard errors of the gaps' noise
 
 
 @dataclass
@@ -97,9 +99,12 @@ class ClaimsCheck:
     workers, which run the same kforge code; launches the cover hid are before its end,
     and launches it did not hide are inside the claimed window as the device waiting. A
     claim shortened by d ms, or d ms of the call's work done in `prepare`, widens the gap
-    by d. The check fires when the candidate's median gap exceeds the reference's by
-    more than `abs_ms + rel * the candidate's median claimed time`. The workers' host
-    clocks decide nothing.
+    by d. The check fires when the candidate's median gap differs from the reference's by
+    more than `abs_ms + rel * the candidate's median claimed time + NOISE_Z * noise`, where
+    noise is the standard error of a difference of two medians of the reference's own gaps
+    (its two timings a round; the candidate's gaps cannot widen it): a host the scheduler
+    keeps busy moves every gap by milliseconds, and the check loosens only as far as the
+    reference shows. The workers' host clocks decide nothing.
     """
 
     abs_ms: float
@@ -112,9 +117,21 @@ class ClaimsCheck:
         # gaps); CPU: a shared 2-core machine's scheduler moves them by milliseconds.
         return cls(abs_ms=0.5, rel=0.02) if is_cuda else cls(abs_ms=5.0, rel=0.5)
 
-    def excess_ms(self, gaps: dict[str, list[float]], claimed_ms: float) -> tuple[float, float]:
+    def excess_ms(self, gaps: dict[str, list[float]], claimed_ms: float) -> tuple[float, float, float]:
+        """(the candidate's median gap minus the reference's, the allowance, its noise term)."""
         excess = statistics.median(gaps["candidate"]) - statistics.median(gaps["reference"])
-        return excess, self.abs_ms + self.rel * claimed_ms
+        noise = median_difference_error(gaps["reference"] + gaps[AA], len(gaps["candidate"]))
+        return excess, self.abs_ms + self.rel * claimed_ms + NOISE_Z * noise, noise
+
+
+def median_difference_error(samples: list[float], n: int) -> float:
+    """The standard error of the difference of two medians of n draws each, from the
+    samples' interquartile range: sigma ~ IQR / 1.349, a median's error ~ 1.2533 sigma / sqrt(n)
+    (robust to the few calls a busy scheduler delays by far more)."""
+    if len(samples) < 4 or n < 1:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    return math.sqrt(2.0 / n) * 1.2533 * (q3 - q1) / 1.349
 
 
 class Ended(Exception):
@@ -229,9 +246,9 @@ class Judge:
                 raise Ended("rejected", "the candidate's worker claimed calls that took no time: its timings were "
                                         "forged", defences=("timing_claims",))
             verdict = speed_verdict(run.per_call, self.min_speedup)
-            excess, allowed = check.excess_ms(gaps, claimed)
+            excess, allowed, noise = check.excess_ms(gaps, claimed)
             claims = {"median_gap_ms": {name: statistics.median(g) for name, g in gaps.items()},
-                      "excess_ms": excess, "allowed_ms": allowed, "passes": attempt + 1}
+                      "excess_ms": excess, "allowed_ms": allowed, "noise_ms": noise, "passes": attempt + 1}
             if abs(excess) <= allowed:
                 break
             fired.append(excess)
@@ -303,7 +320,7 @@ class Judge:
         # the candidate's speedup must clear (verdict.py).
         names = ["reference", "candidate", AA]
         raw: dict[str, list[Clocks]] = {name: [] for name in [*names, "null"]}
-        gaps: dict[str, list[float]] = {"reference": [], "candidate": []}
+        gaps: dict[str, list[float]] = {"reference": [], "candidate": [], AA: []}
         stopper = StopRule(config, names, host=False, decided=decided_by(self.min_speedup))
         rounds = rechecked = 0
         while True:
