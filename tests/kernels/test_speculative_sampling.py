@@ -7,15 +7,19 @@ emitted tokens at every position are distributed as the target's probabilities a
 number emitted as the acceptance rates say, by chi-square tests that the two wrong rules
 (always accept; resample from the target instead of the residual) fail; the op's checks.
 On a GPU: the compiled kernel against the reference at vocabularies of 32k and 128k, and the
-theorem over a million draws."""
+theorem over a million draws, and the same with the draws made in the kernel from a seed."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from kforge.kernels.speculative import chain as chain_module
 from kforge.kernels.speculative.chain import chain_speculative_sampling as chain_kernel
+from kforge.kernels.speculative.draws import philox_uniforms
 from kforge.kernels.speculative.reference import chain_speculative_sampling_reference as reference
 from kforge.kernels.speculative.reference import final_distribution
 from kforge.ops.speculative import chain_speculative_sampling
@@ -78,6 +82,15 @@ def test_kernel_matches_reference_token_for_token(batch, k, vocab, block_v, dtyp
     if k > 1:
         assert ((emitted > 0) & (emitted < k)).any()
         assert (expected[1] > emitted).any()  # an acceptance counted past the first rejection
+
+
+@pytest.mark.parametrize("seed, offset", [(0, 0), (2**40 + 17, 2**32 - 50)])  # counters across 2^32
+def test_seeded_kernel_matches_reference_on_the_same_philox_draws(seed, offset, garbage_outputs):
+    q, ids, p, _ = _case(24, 4, 100, seed=6, zeros=0.2)
+    got = chain_kernel(q, ids, p, seed=seed, offset=offset, block_v=16)
+    _assert_same(got, reference(q, ids, p, philox_uniforms(seed, offset, (24, 5))))
+    with pytest.raises(ValueError, match="not both and not neither"):
+        chain_kernel(q, ids, p, block_v=16)
 
 
 def test_kernel_matches_reference_with_no_drafts():
@@ -244,6 +257,15 @@ def test_kernel_emits_the_target_distribution():
         assert min(_pvalues(*wrong(*population)).values()) < 1e-4, wrong.__name__
 
 
+@pytest.mark.slow
+def test_seeded_kernel_emits_the_target_distribution():
+    # the same population with the draws made in the kernel: one seed, 600 requests' counters
+    q, ids, p, _ = _population(600, seed=12)
+    out, _, emitted = chain_kernel(q, ids, p, seed=2026, block_v=16)
+    for name, pvalue in _pvalues(out, emitted).items():
+        assert pvalue > 1e-4, f"{name}: p = {pvalue:.2e}"
+
+
 # --- the op ----------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -254,7 +276,18 @@ def test_op_draws_from_the_generator_reproducibly_and_matches_given_uniforms():
     uniforms = torch.rand(32, 5, generator=torch.Generator().manual_seed(1))
     _assert_same(first, again)
     _assert_same(first, chain_speculative_sampling(q, ids, p, uniforms))
-    torch.library.opcheck(torch.ops.kforge.chain_speculative_sampling.default, (q, ids, p, uniforms, True))
+    torch.library.opcheck(torch.ops.kforge.chain_speculative_sampling.default, (q, ids, p, uniforms, None, 0, True))
+
+
+def test_op_with_a_seed_draws_philox_counters_the_reference_can_share():
+    q, ids, p, _ = _case(32, 4, 50, seed=21)
+    seeded = chain_speculative_sampling(q, ids, p, seed=5, offset=3)
+    _assert_same(seeded, chain_speculative_sampling(q, ids, p, philox_uniforms(5, 3, (32, 5))))
+    assert not torch.equal(seeded[0], chain_speculative_sampling(q, ids, p, seed=5, offset=3 + 32 * 5)[0])
+    with pytest.raises(ValueError, match="as uniforms or as a seed"):
+        chain_speculative_sampling(q, ids, p, philox_uniforms(5, 3, (32, 5)), seed=5)
+    with pytest.raises(ValueError, match=r"offset must be an integer in \[0, 2\^63\)"):
+        chain_speculative_sampling(q, ids, p, seed=5, offset=-1)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -274,6 +307,24 @@ def test_op_refuses_bad_inputs(change, message):
     q, ids, p, u = _case(4, 3, 50, seed=2)
     with pytest.raises(ValueError, match=message):
         chain_speculative_sampling(*change(q, ids, p, u))
+
+
+@pytest.mark.slow
+def test_the_kernel_compiles_for_the_h100_without_spills_with_either_draws():
+    sys.path.insert(0, str(Path(__file__).parent))
+    from triton_sm90 import compile_sm90, spec
+
+    types = {**{name: "*fp32" for name in ("draft_probs_ptr", "target_probs_ptr", "uniforms_ptr")},
+             **{name: "*i32" for name in ("draft_ids_ptr", "out_ptr", "accepted_ptr", "emitted_ptr")},
+             **{name: "i32" for name in ("stride_db", "stride_dk", "stride_ib", "stride_tb", "stride_tk", "stride_ub",
+                                         "stride_ob", "K", "V")},
+             "seed": "i64", "offset": "i64"}
+    found = compile_sm90([spec(f"seeded {seeded}", "kforge.kernels.speculative.chain",
+                               "chain_speculative_sampling_kernel", types,
+                               {"BLOCK_K": 8, "BLOCK_V": 1024, "SEEDED": seeded}, num_warps=4, num_stages=1)
+                          for seeded in (False, True)])
+    for label, used in found.items():
+        assert used["spills"] == 0 and used["local"] == 0, (label, used)
 
 
 # --- on the GPU -------------------------------------------------------------------------------
@@ -309,5 +360,15 @@ def test_gpu_kernel_matches_reference(vocab, k):
 @pytest.mark.gpu
 def test_gpu_kernel_emits_the_target_distribution():
     out, _, emitted = chain_speculative_sampling(*(t.cuda() for t in _population(1_000_000, seed=13)))
+    for name, pvalue in _pvalues(out.cpu(), emitted.cpu()).items():
+        assert pvalue > 1e-4, f"{name}: p = {pvalue:.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_seeded_kernel_is_the_reference_on_philox_draws_and_emits_the_target_distribution():
+    q, ids, p, _ = (t.cuda() for t in _population(1_000_000, seed=14))
+    out, accepted, emitted = chain_speculative_sampling(q, ids, p, seed=77, offset=2**32 - 1000)
+    expected = reference(q[:4096], ids[:4096], p[:4096], philox_uniforms(77, 2**32 - 1000, (4096, 4), "cuda"))
+    _assert_same((out[:4096], accepted[:4096], emitted[:4096]), expected)  # a 6-token vocabulary: no rounding ties
     for name, pvalue in _pvalues(out.cpu(), emitted.cpu()).items():
         assert pvalue > 1e-4, f"{name}: p = {pvalue:.2e}"

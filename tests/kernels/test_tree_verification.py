@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kforge.kernels.speculative.draws import philox_uniforms
 from kforge.kernels.speculative.tree import tree_verify, tree_verify_reference
 
 # root 0 -> 1, 2, 3; node 1 -> 4, 5; node 4 -> 6
@@ -177,11 +178,37 @@ def test_kernel_emits_the_target_distribution(mode):
     assert pvalue > 1e-4, f"first token: p = {pvalue:.2e}"
 
 
+@pytest.mark.parametrize("mode", ["target_only", "draft"])
+def test_seeded_kernel_matches_the_reference_on_the_same_philox_draws(mode):
+    # the draws made in the kernel from (seed, offset) are philox_uniforms's, counter by counter
+    tokens, first, sibling, p, q, _ = _random_inputs("deep and wide", 12, 37, seed=8)
+    seed, offset = 2**40 + 17, 2**32 - 40  # a 64-bit key; counters that cross 2^32 inside the batch
+    got = tree_verify(tokens, first, sibling, p, draft_probs=q if mode == "draft" else None, mode=mode, seed=seed,
+                      offset=offset, block_v=16)
+    expected = _run(tree_verify_reference, tokens, first, sibling, p, q, philox_uniforms(seed, offset, (12, 7)), mode)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    other = tree_verify(tokens, first, sibling, p, draft_probs=q if mode == "draft" else None, mode=mode, seed=seed,
+                        offset=offset + 12 * 7, block_v=16)
+    assert not torch.equal(other[0], got[0]), "the next step's counters draw afresh"
+
+
+@pytest.mark.slow
+def test_seeded_kernel_emits_the_target_distribution():
+    population = _population(800, "draft", seed=6)
+    tokens, first, sibling, p, q, _ = population
+    out_ids, _, _ = tree_verify(tokens, first, sibling, p, draft_probs=q, mode="draft", seed=31, block_v=16)
+    pvalue = _chi_square_pvalue(torch.bincount(out_ids[:, 0].long(), minlength=6), P_ROWS[0])
+    assert pvalue > 1e-4, f"first token: p = {pvalue:.2e}"
+
+
 # --- bad inputs ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change, message", [
     (lambda i: {**i, "mode": "beam"}, "mode must be one of"),
-    (lambda i: {**i, "uniforms": None}, "uniforms must be float32"),
+    (lambda i: {**i, "uniforms": None}, "need uniforms float32 .* or a seed"),
+    (lambda i: {**i, "seed": 3}, "as uniforms or as a seed"),
+    (lambda i: {**i, "uniforms": None, "seed": -1}, r"seed must be an integer in \[0, 2\^63\)"),
     (lambda i: {**i, "mode": "draft", "draft_probs": None}, "needs draft_probs"),
     (lambda i: {**i, "first_child": i["first_child"].long()}, "first_child must be int32"),
     (lambda i: {**i, "first_child": torch.where(i["first_child"] == 4, 0, i["first_child"])},
@@ -209,12 +236,16 @@ def test_every_mode_compiles_for_the_h100_without_spills():
     types = {"tokens_ptr": "*i32", "first_child_ptr": "*i32", "next_sibling_ptr": "*i32", "target_ptr": "*fp32",
              "draft_ptr": "*fp32", "uniforms_ptr": "*fp32", "out_ids_ptr": "*i32", "out_nodes_ptr": "*i32",
              "emitted_ptr": "*i32", **{name: "i32" for name in ("stride_nb", "stride_tb", "stride_tn", "stride_db",
-                                                                 "stride_dn", "stride_ub", "stride_ob", "N", "V")}}
-    found = compile_sm90([spec(f"mode {mode}", "kforge.kernels.speculative.tree", "tree_verify_kernel", types,
-                               {"MODE": mode, "BLOCK_N": 64, "BLOCK_V": 1024}, num_warps=4, num_stages=1)
-                          for mode in (0, 1, 2)])
+                                                                 "stride_dn", "stride_ub", "stride_ob", "N", "V")},
+             "seed": "i64", "offset": "i64"}
+    found = compile_sm90([spec(f"mode {mode}{' seeded' if seeded else ''}", "kforge.kernels.speculative.tree",
+                               "tree_verify_kernel", types,
+                               {"MODE": mode, "BLOCK_N": 64, "BLOCK_V": 1024, "SEEDED": seeded}, num_warps=4,
+                               num_stages=1)
+                          for mode, seeded in ((0, False), (1, False), (2, False), (1, True), (2, True))])
     for label, used in found.items():
         assert used["spills"] == 0 and used["local"] == 0, (label, used)
+
 
 
 @pytest.mark.gpu
@@ -244,4 +275,10 @@ def test_op_on_the_cpu_is_the_reference_and_draws_reproducibly():
         assert torch.equal(got, same) and torch.equal(got, want)
     greedy = tree_verify_op(tokens, first, sibling, p, mode="greedy")
     assert torch.equal(greedy[0], tree_verify_reference(tokens, first, sibling, p, mode="greedy")[0])
-    torch.library.opcheck(torch.ops.kforge.tree_verify.default, (tokens, first, sibling, p, u, q, "draft", True))
+    torch.library.opcheck(torch.ops.kforge.tree_verify.default,
+                          (tokens, first, sibling, p, u, q, "draft", None, 0, True))
+    seeded = tree_verify_op(tokens, first, sibling, p, draft_probs=q, mode="draft", seed=8, offset=5)
+    on_philox = tree_verify_reference(tokens, first, sibling, p, philox_uniforms(8, 5, (16, 7)), draft_probs=q,
+                                      mode="draft")
+    for got, want in zip(seeded, on_philox):
+        assert torch.equal(got, want)

@@ -20,6 +20,8 @@ Why this shape:
 - Inverse CDF, not the exponential race: it needs one uniform per request (the race needs
   V), so the draws are a small (B, K + 1) tensor a PyTorch reference can share, and the
   kernel and the reference can agree token for token. The price is the second pass.
+- The draws are given (`uniforms`) or made here from a seed (SEEDED: Philox counters,
+  `draws.py`): K + 1 hashes a request, no tensor to fill and no launch before this one.
 - The residual is never materialised: max(0, p - keep * q) is recomputed from the loaded
   rows in each pass (keep = 0 falls back to p where the residual has no mass).
 - Sums in fp32 (the reference's are float64): the two can disagree only when u * sum lands
@@ -33,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.kernels.speculative.draws import check_seed, draw
+
 PROB_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_V = 1024
 
@@ -41,14 +45,16 @@ BLOCK_V = 1024
 def chain_speculative_sampling_kernel(
         draft_probs_ptr, draft_ids_ptr, target_probs_ptr, uniforms_ptr, out_ptr, accepted_ptr, emitted_ptr,
         stride_db, stride_dk, stride_ib, stride_tb, stride_tk, stride_ub, stride_ob,
-        K, V, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+        K, V, seed, offset, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, SEEDED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     is_draft = offs_k < K
     ids = tl.load(draft_ids_ptr + row * stride_ib + offs_k, mask=is_draft, other=0).to(tl.int64)
     q_tok = tl.load(draft_probs_ptr + row * stride_db + offs_k * stride_dk + ids, mask=is_draft, other=0.0)
     p_tok = tl.load(target_probs_ptr + row * stride_tb + offs_k * stride_tk + ids, mask=is_draft, other=0.0)
-    u = tl.load(uniforms_ptr + row * stride_ub + offs_k, mask=is_draft, other=1.0)
+    u_row = uniforms_ptr + row * stride_ub
+    first = offset + row * (K + 1)  # this request's first Philox counter (SEEDED)
+    u = draw(u_row, seed, first, offs_k, is_draft, SEEDED)
     ok = (u * q_tok.to(tl.float32) < p_tok.to(tl.float32)) & is_draft
     accepted = tl.sum(ok.to(tl.int32), 0)
     emitted = tl.min(tl.where(is_draft & ~ok, offs_k, K), 0)  # the first rejection, or K
@@ -68,7 +74,7 @@ def chain_speculative_sampling_kernel(
         target_sum += tl.sum(p, 0)
     use_residual = residual_sum > 0.0
     keep = tl.where(use_residual, 1.0, 0.0)  # 0: the residual has no mass, draw from p itself
-    threshold = tl.load(uniforms_ptr + row * stride_ub + K) * tl.where(use_residual, residual_sum, target_sum)
+    threshold = draw(u_row, seed, first, K, True, SEEDED) * tl.where(use_residual, residual_sum, target_sum)
 
     running = 0.0
     token = V  # not found yet
@@ -128,6 +134,14 @@ def check_chain_inputs(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor,
             raise ValueError(f"{name} needs a contiguous last dimension, got strides {t.stride()}")
 
 
+def check_draws(uniforms: torch.Tensor | None, seed: int | None, offset: int) -> None:
+    """Raise ValueError unless exactly one of `uniforms` and `seed` is given (and the seed is sane)."""
+    if (uniforms is None) == (seed is None):
+        raise ValueError("give the draws as uniforms or as a seed (and offset), not both and not neither")
+    if seed is not None:
+        check_seed(seed, offset)
+
+
 def check_draft_ids(draft_token_ids: torch.Tensor, vocab: int) -> None:
     """Raise ValueError unless every draft id is a token of the vocabulary (one device read)."""
     if draft_token_ids.numel() == 0:
@@ -138,12 +152,17 @@ def check_draft_ids(draft_token_ids: torch.Tensor, vocab: int) -> None:
 
 
 def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
-                               uniforms: torch.Tensor, *, validate: bool = True, block_v: int = BLOCK_V
+                               uniforms: torch.Tensor | None = None, *, seed: int | None = None, offset: int = 0,
+                               validate: bool = True, block_v: int = BLOCK_V
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel: (output ids (B, K + 1), accepted (B,), emitted (B,)), all int32; see
-    `reference.py` for the rule. `validate` reads the draft ids back once to refuse ids outside
-    the vocabulary; `block_v` (a power of two) is the vocabulary tile, small in the CPU tests."""
+    `reference.py` for the rule. The draws: `uniforms` (B, K + 1), or `seed` (and `offset`):
+    u[b, j] = Philox(seed, offset + b (K + 1) + j) made in the kernel (`draws.py`; the
+    reference takes `draws.philox_uniforms(seed, offset, (B, K + 1))`). `validate` reads the
+    draft ids back once to refuse ids outside the vocabulary; `block_v` (a power of two) is the
+    vocabulary tile, small in the CPU tests."""
     check_chain_inputs(draft_probs, draft_token_ids, target_probs, uniforms)
+    check_draws(uniforms, seed, offset)
     batch, k, vocab = draft_probs.shape
     if validate:
         check_draft_ids(draft_token_ids, vocab)
@@ -155,9 +174,10 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
         return out, accepted, emitted
     block_k = max(2, triton.next_power_of_2(k))  # 2 * block_k > k covers the K + 1 outputs
     block_v = min(block_v, max(16, triton.next_power_of_2(vocab)))
+    draws = uniforms if uniforms is not None else out  # not read when seeded
     chain_speculative_sampling_kernel[(batch,)](
-        draft_probs, draft_token_ids, target_probs, uniforms, out, accepted, emitted,
+        draft_probs, draft_token_ids, target_probs, draws, out, accepted, emitted,
         draft_probs.stride(0), draft_probs.stride(1), draft_token_ids.stride(0), target_probs.stride(0),
-        target_probs.stride(1), uniforms.stride(0), out.stride(0), k, vocab,
-        BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4)
+        target_probs.stride(1), draws.stride(0), out.stride(0), k, vocab, seed or 0, offset,
+        BLOCK_K=block_k, BLOCK_V=block_v, SEEDED=uniforms is None, num_warps=4)
     return out, accepted, emitted

@@ -24,7 +24,8 @@ inverse CDF with the request's final uniform: it is then distributed exactly as 
 Greedy verification: the child whose token is the argmax of p (the first such sibling) is
 accepted; otherwise the argmax itself is the final token. No draws.
 
-The draws (`uniforms`, (B, N) fp32 in [0, 1)): u[b, x] decides node x (x >= 1; each node is
+The draws (`uniforms`, (B, N) fp32 in [0, 1), or made in the kernel from a seed: u[b, x] =
+Philox(seed, offset + b N + x), `draws.py`): u[b, x] decides node x (x >= 1; each node is
 tried at most once), u[b, 0] draws the final token. A residual with no mass left (rounding;
 reached only through a rejection that had probability 0) falls back to p; a threshold rounding
 at or above the sum takes the last token with mass.
@@ -43,6 +44,7 @@ import triton
 import triton.language as tl
 
 from kforge.kernels.speculative.chain import PROB_DTYPES
+from kforge.kernels.speculative.draws import check_seed, draw
 
 MODES = {"greedy": 0, "target_only": 1, "draft": 2}
 BLOCK_V = 1024
@@ -82,8 +84,11 @@ def _row_argmax(p_row, V, BLOCK_V: tl.constexpr):
 def tree_verify_kernel(tokens_ptr, first_child_ptr, next_sibling_ptr, target_ptr, draft_ptr, uniforms_ptr,
                        out_ids_ptr, out_nodes_ptr, emitted_ptr,
                        stride_nb, stride_tb, stride_tn, stride_db, stride_dn, stride_ub, stride_ob,
-                       N, V, MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+                       N, V, seed, offset, MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                       SEEDED: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
+    u_row = uniforms_ptr + b * stride_ub
+    first = offset + b * N  # this request's first Philox counter (SEEDED)
     offs_v = tl.arange(0, BLOCK_V)
     offs_n = tl.arange(0, BLOCK_N)
     tree = b * stride_nb
@@ -108,11 +113,11 @@ def tree_verify_kernel(tokens_ptr, first_child_ptr, next_sibling_ptr, target_ptr
         elif MODE == 1:
             seen = tl.sum(((rejected == token) & (offs_n < n_rejected)).to(tl.int32), 0) > 0
             s_tok = tl.where(seen, 0.0, tl.load(p_row + token).to(tl.float32))
-            accept = tl.load(uniforms_ptr + b * stride_ub + child) * z < s_tok
+            accept = draw(u_row, seed, first, child, True, SEEDED) * z < s_tok
         else:
             q_tok = tl.load(q_row + token).to(tl.float32)
             s_tok = tl.maximum(tl.load(p_row + token).to(tl.float32) - c * q_tok, 0.0)
-            accept = tl.load(uniforms_ptr + b * stride_ub + child) * z * q_tok < s_tok
+            accept = draw(u_row, seed, first, child, True, SEEDED) * z * q_tok < s_tok
         if accept:
             tl.store(out_ids_ptr + b * stride_ob + emitted, token)
             tl.store(out_nodes_ptr + b * stride_ob + emitted, child)
@@ -145,7 +150,7 @@ def tree_verify_kernel(tokens_ptr, first_child_ptr, next_sibling_ptr, target_ptr
         use_residual = z > 0.0
         keep = tl.where(use_residual, 1.0, 0.0)
         mass = tl.where(use_residual, z, _row_sum(p_row, q_row, 0.0, V, 0, BLOCK_V))
-        threshold = tl.load(uniforms_ptr + b * stride_ub) * mass
+        threshold = draw(u_row, seed, first, 0, True, SEEDED) * mass
         running = 0.0
         token = V
         last_positive = -1
@@ -176,7 +181,7 @@ def tree_verify_kernel(tokens_ptr, first_child_ptr, next_sibling_ptr, target_ptr
 
 def check_tree_inputs(tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: torch.Tensor,
                       target_probs: torch.Tensor, draft_probs: torch.Tensor | None, uniforms: torch.Tensor | None,
-                      mode: str) -> None:
+                      mode: str, seeded: bool = False) -> None:
     """Raise ValueError on shapes, dtypes, devices or strides the kernel cannot take (no device read)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -195,9 +200,9 @@ def check_tree_inputs(tokens: torch.Tensor, first_child: torch.Tensor, next_sibl
             raise ValueError(f"the draft mode needs draft_probs shaped as target_probs {(batch, nodes, vocab)}, got "
                              f"{None if draft_probs is None else tuple(draft_probs.shape)}")
         tensors["draft_probs"] = draft_probs
-    if mode != "greedy":
+    if mode != "greedy" and not seeded:
         if uniforms is None or uniforms.shape != (batch, nodes) or uniforms.dtype != torch.float32:
-            raise ValueError(f"uniforms must be float32 (batch, nodes) = {(batch, nodes)}, got "
+            raise ValueError(f"the random modes need uniforms float32 (batch, nodes) = {(batch, nodes)} or a seed, got "
                              f"{None if uniforms is None else (uniforms.dtype, tuple(uniforms.shape))}")
         tensors["uniforms"] = uniforms
     devices = {t.device for t in tensors.values()}
@@ -228,12 +233,20 @@ def check_tree_values(tokens: torch.Tensor, first_child: torch.Tensor, next_sibl
 
 def tree_verify(tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: torch.Tensor,
                 target_probs: torch.Tensor, uniforms: torch.Tensor | None = None, *,
-                draft_probs: torch.Tensor | None = None, mode: str = "target_only", validate: bool = True,
-                block_v: int = BLOCK_V) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                draft_probs: torch.Tensor | None = None, mode: str = "target_only", seed: int | None = None,
+                offset: int = 0, validate: bool = True, block_v: int = BLOCK_V
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel: (out_ids (B, N), out_nodes (B, N), emitted (B,)), all int32 (module docstring).
-    `mode`: greedy (no uniforms), target_only, or draft (with draft_probs). `validate` reads the
-    tree back once to refuse backward links and tokens outside the vocabulary."""
-    check_tree_inputs(tokens, first_child, next_sibling, target_probs, draft_probs, uniforms, mode)
+    `mode`: greedy (no draws), target_only, or draft (with draft_probs). The random modes' draws:
+    `uniforms` (B, N), or `seed` (and `offset`): u[b, x] = Philox(seed, offset + b N + x) made in
+    the kernel (`draws.py`). `validate` reads the tree back once to refuse backward links and
+    tokens outside the vocabulary."""
+    seeded = seed is not None and mode != "greedy"
+    if seed is not None:
+        if uniforms is not None:
+            raise ValueError("give the draws as uniforms or as a seed (and offset), not both")
+        check_seed(seed, offset)
+    check_tree_inputs(tokens, first_child, next_sibling, target_probs, draft_probs, uniforms, mode, seeded)
     batch, nodes, vocab = target_probs.shape
     if validate:
         check_tree_values(tokens, first_child, next_sibling, vocab)
@@ -244,13 +257,13 @@ def tree_verify(tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: t
     if batch == 0:
         return out_ids, out_nodes, emitted
     draft = draft_probs if draft_probs is not None else target_probs  # not read outside the draft mode
-    draws = uniforms if uniforms is not None else out_ids  # not read in the greedy mode
+    draws = uniforms if uniforms is not None else out_ids  # not read in the greedy mode, nor when seeded
     tree_verify_kernel[(batch,)](
         tokens, first_child, next_sibling, target_probs, draft, draws, out_ids, out_nodes, emitted,
         tokens.stride(0), target_probs.stride(0), target_probs.stride(1), draft.stride(0), draft.stride(1),
-        draws.stride(0), out_ids.stride(0), nodes, vocab, MODE=MODES[mode],
+        draws.stride(0), out_ids.stride(0), nodes, vocab, seed or 0, offset, MODE=MODES[mode],
         BLOCK_N=max(2, triton.next_power_of_2(nodes)), BLOCK_V=min(block_v, max(16, triton.next_power_of_2(vocab))),
-        num_warps=4)
+        SEEDED=seeded, num_warps=4)
     return out_ids, out_nodes, emitted
 
 
