@@ -201,7 +201,7 @@ if [[ $parts == *" fp8-gemv "* ]]; then
 fi
 if [[ $parts == *" deepseek "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_speculative_sampling.py \
-    tests/kernels/test_tree_verification.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_sparse.py \
+    tests/kernels/test_speculative_draws.py tests/kernels/test_tree_verification.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_sparse.py \
     tests/models/test_deepseek.py 2>&1 | tail -8 | tee "$out/pytest-deepseek-gpu.txt"
   python3 -m kforge.models.deepseek --k 1,2,4 --device cuda --dtype bfloat16 2>&1 | tail -12 \
     | tee "$out/deepseek-speculation.txt"
