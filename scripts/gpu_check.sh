@@ -205,6 +205,8 @@ if [[ $parts == *" deepseek "* ]]; then
     tests/models/test_deepseek.py 2>&1 | tail -8 | tee "$out/pytest-deepseek-gpu.txt"
   python3 -m kforge.models.deepseek --k 1,2,4 --device cuda --dtype bfloat16 2>&1 | tail -12 \
     | tee "$out/deepseek-speculation.txt"
+  python3 -m kforge.models.deepseek --requests 32 --slots 8 --k 1,2 --device cuda --dtype bfloat16 2>&1 \
+    | tail -6 | tee "$out/deepseek-engine.txt"
 fi
 if [[ $parts == *" dsa "* ]]; then
   PYTHONPATH=src:scripts timeout 540 python3 scripts/dsa_sweep.py 2>&1 | tee "$out/dsa-sweep.txt"

@@ -147,6 +147,37 @@ def test_a_stop_token_finishes_with_stop_and_is_kept_and_max_tokens_with_length(
     assert (runs_out.output, runs_out.finish_reason) == ([5, 6, 8], "length")
 
 
+def test_a_decode_given_several_tokens_counts_the_accepted_drafts_as_computed_and_stops_inside_the_list():
+    # speculative decoding: the decode fed y, the target accepted drafts d1, d2 and added t
+    sched = make()
+    spec, stops = req("spec", 3, 10), req("stops", 3, 10, stop={7})
+    sched.submit(spec)
+    sched.submit(stops)
+    sched.complete(sched.schedule(), {"spec": 5, "stops": 5})  # the prompts, one token each
+    step = sched.schedule()
+    assert [(w.start, w.tokens) for w in step.work] == [(3, [5]), (3, [5])]
+    finished = sched.complete(step, {"spec": [11, 12, 13], "stops": [6, 7, 8]})
+    assert (spec.output, spec.computed) == ([5, 11, 12, 13], 6), "y, d1 and d2 are in the cache; t is next"
+    assert finished == [stops] and (stops.output, stops.finish_reason) == ([5, 6, 7], "stop"), "8 came after the stop"
+    step = sched.schedule()
+    assert [(w.start, w.tokens) for w in step.work] == [(6, [13])]
+    assert sched.complete(step, {"spec": list(range(20, 30))}) == [spec]
+    assert spec.output == [5, 11, 12, 13, *range(20, 26)] and spec.finish_reason == "length"
+
+
+def test_several_tokens_for_a_prompt_chunk_or_none_at_all_are_refused_and_change_nothing():
+    sched = make()
+    sched.submit(req("a", 3, 5))
+    step = sched.schedule()
+    with pytest.raises(ValueError, match="a prompt chunk emits one token, got 2"):
+        sched.complete(step, {"a": [1, 2]})
+    with pytest.raises(ValueError, match="one or more ids >= 0"):
+        sched.complete(step, {"a": []})
+    with pytest.raises(ValueError, match="one or more ids >= 0"):
+        sched.complete(step, {"a": -1})
+    assert sched.complete(step, {"a": [4]}) == [] and sched.running[0].output == [4]
+
+
 def test_complete_rejects_a_missing_or_an_unexpected_token_and_changes_nothing():
     sched = make(max_step_tokens=4)
     short, long = req("short", 2, 3), req("long", 8, 3)

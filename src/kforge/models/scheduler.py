@@ -29,7 +29,7 @@ import heapq
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -213,9 +213,13 @@ class Scheduler:
             head.pages = [heapq.heappop(self._free_pages) for _ in range(pages)]
             self._running.append(head)
 
-    def complete(self, step: Step, next_tokens: Mapping[str, int]) -> list[Request]:
+    def complete(self, step: Step, next_tokens: Mapping[str, int | Sequence[int]]) -> list[Request]:
         """Record `step` as run and its sampled tokens; return the requests it finished, their slot and pages freed.
-        A request aborted during the step is among them, and its token, still required here, is dropped."""
+        A request aborted during the step is among them, and its token, still required here, is dropped.
+
+        A decode may be given several tokens (speculative decoding: the drafts the target accepted, then its own
+        token): the accepted drafts were fed at the positions after the decode's token, so they count as computed
+        too; tokens past a stop token or max_tokens are dropped."""
         if step is not self._in_flight:
             raise ValueError("complete() got a step that is not the one in flight")
         emitting = {w.request.id for w in step.work if w.emits}
@@ -223,6 +227,7 @@ class Scheduler:
         if missing or extra:  # checked before any state changes, so a bad call leaves the scheduler as it was
             raise ValueError(f"next_tokens must cover exactly the emitting requests: missing {sorted(missing)}, "
                              f"given for non-emitting {sorted(extra)}")
+        given = {work.request.id: _token_list(next_tokens[work.request.id], work) for work in step.work if work.emits}
         self._in_flight, aborting, self._aborting = None, self._aborting, set()
         now = self.clock()
         finished = []
@@ -232,19 +237,22 @@ class Scheduler:
                 self._finish(request, "abort", now)
                 finished.append(request)
                 continue
-            request.computed += len(work.tokens)
             if not work.emits:
+                request.computed += len(work.tokens)
                 continue
-            token = next_tokens[request.id]
-            request.output.append(token)
-            request.token_times.append(now)
-            if token in request.stop_token_ids:
-                self._finish(request, "stop", now)
-            elif len(request.output) == request.max_tokens:
-                self._finish(request, "length", now)
-            else:
-                continue
-            finished.append(request)
+            tokens = given[request.id]
+            request.computed += len(work.tokens) + len(tokens) - 1
+            for token in tokens:
+                request.output.append(token)
+                request.token_times.append(now)
+                if token in request.stop_token_ids:
+                    self._finish(request, "stop", now)
+                elif len(request.output) == request.max_tokens:
+                    self._finish(request, "length", now)
+                else:
+                    continue
+                finished.append(request)
+                break
         return finished
 
     def _finish(self, request: Request, reason: str, now: float) -> None:
@@ -257,6 +265,16 @@ class Scheduler:
                 heapq.heappush(self._free_pages, page)
             request.slot, request.pages = None, []
         request.finish_reason, request.finish_time = reason, now
+
+
+def _token_list(value: int | Sequence[int], work: Work) -> list[int]:
+    """One emitting work's tokens as a list; ValueError unless one token, or several for a decode."""
+    tokens = [value] if isinstance(value, int) else list(value)
+    if not tokens or not all(isinstance(t, int) and t >= 0 for t in tokens):
+        raise ValueError(f"request {work.request.id!r}: the tokens must be one or more ids >= 0, got {value!r}")
+    if len(tokens) > 1 and not work.is_decode:
+        raise ValueError(f"request {work.request.id!r}: a prompt chunk emits one token, got {len(tokens)}")
+    return tokens
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ Speculative sampling takes the temperature only (top-k and top-p would have to f
 alike; refused for now); plain generation takes every `SamplingParams` field.
 
     python -m kforge.models.deepseek --preset tiny --max-tokens 64 --k 1,2,4 [--temperature 0.8]
+    python -m kforge.models.deepseek --requests 32 --slots 8 --k 1,2    # the batching engine, engine.py
 
 prints plain and speculative generation side by side (random weights): target steps, acceptance,
 tokens a step, tokens/s, and whether the tokens equal plain greedy's. A random MTP block's drafts
@@ -202,11 +203,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--k", default="1,2,4", help="draft counts, comma-separated")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=int, default=0,
+                        help="run this many requests through the continuous-batching engine instead of one alone")
+    parser.add_argument("--slots", type=int, default=8, help="the engine's slots (with --requests)")
     args = parser.parse_args(argv)
     model = random_model(preset(args.preset), seed=args.seed, dtype=getattr(torch, args.dtype), device=args.device)
     prompt = torch.randint(0, model.config.vocab_size, (args.prompt_len,),
                            generator=torch.Generator().manual_seed(args.seed)).tolist()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.requests:
+        _engine_table(model, args, params)
+        return
     generate(model, prompt, replace(params, max_tokens=2), draft_k=1)  # warm-up: first calls, kernel builds
     print(f"{args.preset}, {args.dtype} on {args.device}, prompt {args.prompt_len}, {args.max_tokens} tokens, "
           f"temperature {args.temperature}")
@@ -217,3 +224,33 @@ def main(argv: Sequence[str] | None = None) -> None:
         same = "yes" if run.tokens == plain.tokens else ("no" if params.greedy else "(sampled)")
         print(f"{k:>8} {run.target_steps:>6} {run.acceptance_rate:>9.1%} {run.tokens_per_step:>11.2f} "
               f"{run.tokens_per_second:>9.1f}  {same}")
+
+
+def _engine_table(model: DeepSeekV3, args: argparse.Namespace, params: SamplingParams) -> None:
+    """The engine on --requests prompts of --prompt-len random tokens, each K of --k against K = 0."""
+    from kforge.models.deepseek.engine import DeepSeekEngine
+
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=g).tolist()
+               for _ in range(args.requests)]
+    each = [replace(params, seed=args.seed + i) for i in range(args.requests)]
+    max_context = args.prompt_len + args.max_tokens
+    print(f"{args.preset}, {args.dtype} on {args.device}: {args.requests} requests of prompt {args.prompt_len}, "
+          f"{args.max_tokens} tokens, {args.slots} slots, temperature {args.temperature}")
+    print(f"{'drafts K':>8} {'passes':>7} {'accepted':>9} {'tokens/row-pass':>15} {'tokens/s':>9}  same tokens as K=0")
+    plain = None
+    for k in [0] + [int(k) for k in args.k.split(",")]:
+        engine = DeepSeekEngine(model, max_slots=args.slots, max_context=max_context, draft_k=k)
+        engine.generate(prompts[:1], replace(params, max_tokens=2))  # warm-up: first calls, kernel builds
+        engine.stats = type(engine.stats)()
+        start = _now(model.embed.device)
+        requests = [engine.submit(p, q) for p, q in zip(prompts, each)]
+        for _ in engine.run():
+            pass
+        seconds = _now(model.embed.device) - start
+        outputs = [r.output for r in requests]
+        plain = outputs if k == 0 else plain
+        same = "yes" if outputs == plain else ("no" if params.greedy else "(sampled)")
+        stats = engine.stats
+        print(f"{k:>8} {stats.target_steps:>7} {stats.acceptance_rate:>9.1%} {stats.tokens_per_row_step:>15.2f} "
+              f"{sum(map(len, outputs)) / seconds:>9.1f}  {same}")

@@ -45,6 +45,7 @@ one-layer `LatentCache`), since it attends over its own rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,15 +105,19 @@ class LatentCache:
         return Pass(torch.tensor([row], device=device), torch.arange(length, device=device)[None, :],
                     torch.tensor([length], dtype=torch.int32, device=device), {row: length}, prefill=True)
 
-    def decode_pass(self, new: int) -> Pass:
-        """`new` more tokens for every row."""
-        for row, length in enumerate(self.lengths):
-            self._check_fits(row, length + new)
+    def decode_pass(self, new: int, rows: Sequence[int] | None = None) -> Pass:
+        """`new` more tokens for each of `rows` (default: every row), in that order."""
+        rows = list(range(len(self.lengths))) if rows is None else [int(r) for r in rows]
+        for row in rows:
+            if not 0 <= row < len(self.lengths):
+                raise ModelError(f"row {row} is not one of the cache's {len(self.lengths)} rows")
+            self._check_fits(row, self.lengths[row] + new)
+        if len(set(rows)) != len(rows):
+            raise ModelError(f"a pass feeds each row once, got rows {rows}")
         device = self.block_table.device
-        lengths = torch.tensor(self.lengths, device=device)
-        return Pass(torch.arange(len(self.lengths), device=device), lengths[:, None] + torch.arange(new, device=device),
-                    (lengths + new).to(torch.int32), {row: n + new for row, n in enumerate(self.lengths)},
-                    prefill=False)
+        lengths = torch.tensor([self.lengths[r] for r in rows], device=device)
+        return Pass(torch.tensor(rows, device=device), lengths[:, None] + torch.arange(new, device=device),
+                    (lengths + new).to(torch.int32), {r: self.lengths[r] + new for r in rows}, prefill=False)
 
     def commit(self, p: Pass) -> None:
         """The pass's tokens are in: advance its rows' lengths."""
@@ -322,10 +327,10 @@ class DeepSeekV3(nn.Module):
         return self._main(tokens[None, :], cache.prefill_pass(row, tokens.shape[0]), cache)
 
     @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, cache: LatentCache) -> torch.Tensor:
-        """tokens (B, S): S more tokens for each of the cache's B rows, each attending to its row's
-        cache and causally to the S: the last block's output (B, S, dim)."""
-        return self._main(tokens, cache.decode_pass(tokens.shape[1]), cache)
+    def decode(self, tokens: torch.Tensor, cache: LatentCache, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """tokens (B, S): S more tokens for each of B cache rows (`rows`, default all of them), each
+        attending to its row's cache and causally to the S: the last block's output (B, S, dim)."""
+        return self._main(tokens, cache.decode_pass(tokens.shape[1], rows), cache)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -350,10 +355,11 @@ class DeepSeekV3(nn.Module):
         return self._mtp(hidden, next_tokens[None, :], cache.prefill_pass(row, next_tokens.shape[0]), cache)
 
     @torch.no_grad()
-    def mtp_decode(self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: LatentCache) -> torch.Tensor:
-        """S more MTP positions for each row: hidden (B, S, dim) (the main model's, or the MTP's own
-        output when drafting ahead) and next_tokens (B, S): g (B, S, dim)."""
-        return self._mtp(hidden, next_tokens, cache.decode_pass(next_tokens.shape[1]), cache)
+    def mtp_decode(self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: LatentCache,
+                   rows: Sequence[int] | None = None) -> torch.Tensor:
+        """S more MTP positions for each of B rows (`rows`, default all): hidden (B, S, dim) (the main
+        model's, or the MTP's own output when drafting ahead) and next_tokens (B, S): g (B, S, dim)."""
+        return self._mtp(hidden, next_tokens, cache.decode_pass(next_tokens.shape[1], rows), cache)
 
     @torch.no_grad()
     def mtp_logits(self, g: torch.Tensor) -> torch.Tensor:
