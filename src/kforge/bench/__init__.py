@@ -52,6 +52,22 @@ def run_bench(jobs: Iterable[BenchJob], *, time_budget: float, results: Path | N
     return records
 
 
+class OursRates:
+    """TFLOP/s and GB/s of our device time, for a row with `flops`, `bytes` and `ours_device_ms`."""
+
+    flops: float | None
+    bytes: int | None
+    ours_device_ms: float | None
+
+    @property
+    def tflops(self) -> float | None:
+        return self.flops / self.ours_device_ms / 1e9 if self.flops and self.ours_device_ms else None
+
+    @property
+    def gbps(self) -> float | None:
+        return self.bytes / self.ours_device_ms / 1e6 if self.bytes and self.ours_device_ms else None
+
+
 @dataclass(frozen=True)
 class BenchRow:
     shape: str

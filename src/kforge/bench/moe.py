@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kforge.bench import BenchJob, size_constants
+from kforge.bench import BenchJob, OursRates, size_constants
 from kforge.harness.record import append_record
 
 PROBLEMS = Path(__file__).parent.parent / "problems" / "moe"
@@ -239,7 +239,7 @@ def moe_baseline(record: dict) -> str:
 # --- rows: the judge's records ------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class MoeRow:
+class MoeRow(OursRates):
     shape: str
     baseline: str
     status: str
@@ -257,14 +257,6 @@ class MoeRow:
     @property
     def ok(self) -> bool:
         return self.status in ("passed", "slower", "tie")
-
-    @property
-    def tflops(self) -> float | None:
-        return self.flops / self.ours_device_ms / 1e9 if self.flops and self.ours_device_ms else None
-
-    @property
-    def gbps(self) -> float | None:
-        return self.bytes / self.ours_device_ms / 1e6 if self.bytes and self.ours_device_ms else None
 
     @property
     def baseline_tflops(self) -> float | None:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kforge.bench import BenchJob, size_constants
+from kforge.bench import BenchJob, OursRates, size_constants
 
 PROBLEMS = Path(__file__).parent.parent / "problems"
 KERNELS = Path(__file__).parent.parent / "kernels" / "quant"
@@ -120,7 +120,7 @@ def quant_jobs(shapes: Sequence[QuantShape]) -> Iterator[BenchJob]:
 
 
 @dataclass(frozen=True)
-class QuantRow:
+class QuantRow(OursRates):
     shape: str
     method: str
     status: str
@@ -131,14 +131,6 @@ class QuantRow:
     bytes: int | None
     bound: str | None  # memory or compute: which ceiling is the roof
     pct_of_roof: float | None  # ours, device time, against that ceiling
-
-    @property
-    def tflops(self) -> float | None:
-        return self.flops / self.ours_device_ms / 1e9 if self.flops and self.ours_device_ms else None
-
-    @property
-    def gbps(self) -> float | None:
-        return self.bytes / self.ours_device_ms / 1e6 if self.bytes and self.ours_device_ms else None
 
 
 def quant_label(record: dict) -> str:
