@@ -1223,6 +1223,9 @@ def machine_command(
     stage_timeout: float = typer.Option(None, min=1.0, help=STAGE_TIMEOUT_HELP, show_default=False),
     force: bool = typer.Option(False, help="Ask and judge again the attempts the store has (appended; the latest "
                                "counts)."),
+    profile: bool = typer.Option(False, "--profile", help="Profile each attempt that passed gate 1 with Nsight "
+                                 "Compute (one call, on the GPU it was judged on) and add where its time goes to "
+                                 "the feedback: DRAM and SM throughput, tensor pipes, what warps wait on."),
 ) -> None:
     """A language model writes kernels for PROBLEM; kforge judges each one as `kforge eval` does.
 
@@ -1245,6 +1248,8 @@ def machine_command(
         raise KforgeError("--manual and --base-url contradict each other: choose one")
     if manual is None and not model:
         raise KforgeError("give --model (the model the endpoint serves), or --manual DIR")
+    if profile and executor is not SuiteExecutor.local:
+        raise KforgeError("--profile runs Nsight Compute on this machine's GPUs: not with --executor ray")
     runner = _ray_executor(executor, gpus, address, ray_resources)
     slots, device_name = ([], None) if runner else _slots(gpus)
     device = current_device()
@@ -1274,8 +1279,14 @@ def machine_command(
 
     with _store_warnings():
         if runner is None:
+            profiler = None
+            if profile:
+                from kforge.harness.profile import profile_candidate
+
+                def profiler(problem_file, candidate_file, gpu):
+                    return profile_candidate(problem_file, candidate_file, gpu=gpu)
             run = run_machine(settings, client, AttemptStore(results), facts=facts, messages=messages, slots=slots,
-                              device_name=device_name, options=options, on_attempt=said)
+                              device_name=device_name, options=options, on_attempt=said, profile=profiler)
         else:
             with runner:
                 device_name = runner.device_name  # each judge reports its node's device

@@ -83,6 +83,7 @@ def test_a_problem_that_does_not_load_is_one_line_and_exit_2_with_nothing_stored
     (("--base-url", "http://127.0.0.1:1/v1"), "give --model"),
     (("--manual", "replies", "--address", "auto"), "--address and --ray-resources are for --executor ray"),
     (("--manual", "replies", "--executor", "ray", "--gpus", "0"), "--gpus picks this machine's GPUs"),
+    (("--manual", "replies", "--executor", "ray", "--profile"), "--profile runs Nsight Compute on this machine's"),
 ])
 def test_contradictory_or_missing_options_are_one_line_errors(cli, args, message):
     result = cli("machine", PROBLEM, *args)

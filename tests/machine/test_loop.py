@@ -13,6 +13,7 @@ from conftest import FIXTURES, scripted_timing
 from replay_server import ReplayServer, reply_text
 
 from kforge.harness.isolation import StageLimits, evaluate_isolated
+from kforge.harness.profile import KernelProfile, ProfileSummary
 from kforge.harness.record import read_store
 from kforge.machine.client import EndpointClient, ManualClient, Waiting
 from kforge.machine.estimators import pass_at_k
@@ -31,7 +32,7 @@ def machine(tmp_path, cpu, cpu_ceilings):
     messages = first_messages(facts, cpu, cpu_ceilings, "triton")
     store = AttemptStore(tmp_path / "machine-add.jsonl")
 
-    def run(client, **settings):
+    def run(client, profile=None, **settings):
         judged = []
 
         def evaluate(problem, candidate, gpu):
@@ -43,7 +44,7 @@ def machine(tmp_path, cpu, cpu_ceilings):
 
         settings = Settings(**{"problem": PROBLEM, "backend": "triton", "model": "replay", **settings})
         result = run_machine(settings, client, store, facts=facts, messages=messages, slots=[None],
-                             device_name=cpu.name, evaluate=evaluate)
+                             device_name=cpu.name, evaluate=evaluate, profile=profile)
         return result, judged
 
     run.store = store
@@ -116,6 +117,30 @@ def test_samples_learn_from_feedback_stop_once_passed_and_resume_without_asking_
     found = scores(run.attempts)
     assert found.samples == 2 and found.fast == 1
     assert found.pass_at[1] == pass_at_k(2, found.correct, 1) and found.fast_1_at[2] == 1.0
+
+
+@pytest.mark.slow
+def test_attempts_past_gate_1_are_profiled_and_the_profile_joins_their_feedback(machine):
+    profiled = []
+
+    def profile(problem, candidate, gpu):  # a stand-in for Nsight Compute: no GPU here
+        profiled.append(candidate.read_text())
+        if len(profiled) == 1:
+            return "the profiling run failed (exit 1): no counters"
+        return ProfileSummary([KernelProfile("add_kernel", 0.02, 96_000.0, 35.0, 10.0, None, {"long scoreboard": 3.0})])
+
+    script = {"s0/t0": ["wrong"], "s0/t1": ["slow"], "s0/t2": ["correct"]}
+    with ReplayServer(script) as server:
+        run, _ = machine(endpoint(server), profile=profile, turns=3)
+    wrong, slow, correct = sorted(run.attempts, key=lambda a: a["turn"])
+    assert [a["status"] for a in (wrong, slow, correct)] == ["incorrect", "slower", "passed"]
+    assert len(profiled) == 2 and profiled[1] == CORRECT, "gate 1's failures are not profiled"
+    assert wrong["profile"] is None and "Profile" not in wrong["feedback"]
+    assert slow["profile"] == "the profiling run failed (exit 1): no counters"
+    assert "Profile: none (the profiling run failed (exit 1): no counters)." in slow["feedback"]
+    assert correct["profile"]["kernels"][0]["name"] == "add_kernel"
+    assert "- add_kernel: 0.02 ms (100%); DRAM 35%, SM 10% of peak; warps wait on long scoreboard (3)" in \
+        correct["feedback"]
 
 
 def test_a_failed_request_is_recorded_asked_again_on_resume_and_force_asks_everything(machine):

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kforge.harness.profile import ProfileSummary, profile_lines
 from kforge.harness.record import EvalRecord, canonical_json, read_records, sealed_line
 from kforge.machine.checks import static_flags
 from kforge.machine.client import RequestFailed, Waiting
@@ -46,6 +47,8 @@ KIND = "machine_attempt"
 SCHEMA = 1
 MAX_CONCURRENT_SAMPLES = 8
 CANDIDATE_FILE = "candidate.py"
+PROFILED = ("passed", "slower", "tie")  # gate 1 passed: what is worth profiling
+Profile = Callable[[Path, Path, "int | None"], "ProfileSummary | str"]
 
 
 @dataclass(frozen=True)
@@ -114,13 +117,15 @@ Evaluate = Callable[[Path, Path, "int | None"], EvalRecord]
 def run_machine(settings: Settings, client, store: AttemptStore, *, facts: ProblemFacts, messages: list[dict],
                 slots: list[int | None], device_name: str, options: dict | None = None,
                 candidates: Path | None = None, evaluate: Evaluate | None = None,
-                on_attempt: Callable[[dict], None] | None = None) -> MachineRun:
+                on_attempt: Callable[[dict], None] | None = None, profile: Profile | None = None) -> MachineRun:
     """Run every sample and turn the store lacks (module docstring).
 
     `client` has .endpoint and .complete(messages, attempt_id) (client.py). `options` go to
     evaluate_isolated (timing, limits, ceilings...), unless `evaluate(problem, candidate,
     gpu)` replaces it. Candidate files go to `candidates`/<run>/s<k>/t<n>/candidate.py
-    (default: beside the store, in a folder named after it).
+    (default: beside the store, in a folder named after it). With `profile(problem,
+    candidate, gpu)` (kforge.harness.profile), each attempt that passed gate 1 is profiled on
+    the GPU it was judged on, still holding it, and the profile's lines join its feedback.
     """
     from kforge.harness.evaluate import identity
     from kforge.harness.isolation import evaluate_isolated
@@ -160,7 +165,7 @@ def run_machine(settings: Settings, client, store: AttemptStore, *, facts: Probl
                     "reason": exc.reason, "record": None, "static_flags": [], "feedback": "", "usage": None,
                     "elapsed_s": time.monotonic() - started, "created": _now()}
         extraction = extract_code(reply.text)
-        code, record, flags = extraction.code, None, []
+        code, record, flags, profiled = extraction.code, None, [], None
         status, reason = extraction.status, extraction.reason
         if code is not None:
             flags = [f.to_dict() for f in static_flags(code, facts.forbidden_ops)]
@@ -170,13 +175,18 @@ def run_machine(settings: Settings, client, store: AttemptStore, *, facts: Probl
             gpu = free.get()
             try:
                 record = evaluate(settings.problem, path, gpu).to_dict()
+                if profile is not None and record["status"] in PROFILED:
+                    found = profile(settings.problem, path, gpu)
+                    profiled = found if isinstance(found, str) else found.to_dict()
             finally:
                 free.put(gpu)
             status, reason = record["status"], record["reason"]
+        copy_gbps = ((((record or {}).get("roofline") or {}).get("ceilings")) or {}).get("copy_gbps")
+        lines = profile_lines(profiled, copy_gbps) if profiled is not None else None
         return {**base, "reply": reply.text, "code": code,
                 "code_sha256": hashlib.sha256(code.encode("utf-8")).hexdigest() if code is not None else None,
-                "status": status, "reason": reason, "record": record, "static_flags": flags,
-                "feedback": feedback_text(status, reason, record, flags, CANDIDATE_FILE), "usage": reply.usage,
+                "status": status, "reason": reason, "record": record, "static_flags": flags, "profile": profiled,
+                "feedback": feedback_text(status, reason, record, flags, CANDIDATE_FILE, lines), "usage": reply.usage,
                 "elapsed_s": time.monotonic() - started, "created": _now()}
 
     def run_sample(sample: int) -> None:

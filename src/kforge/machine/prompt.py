@@ -287,9 +287,10 @@ EVALUATED_FAILURES = ("candidate_error", "crash", "timeout", "oom", "cuda_error"
 
 
 def feedback_text(status: str, reason: str | None, record: dict | None, flags: list[dict],
-                  candidate_name: str = "candidate.py") -> str:
+                  candidate_name: str = "candidate.py", profile: list[str] | None = None) -> str:
     """Turn t's outcome as the user message of turn t + 1: what failed and where, the gates'
-    figures, the roofline position, the static flags, and what to do next."""
+    figures, the roofline position, the profile's lines (`kforge machine --profile`), the
+    static flags, and what to do next."""
     lines = [f"Your previous reply: {status.upper()}."]
     if record is None:
         lines.append(f"No file was evaluated: {reason}.")
@@ -300,6 +301,7 @@ def feedback_text(status: str, reason: str | None, record: dict | None, flags: l
         lines.append(f"A defence of the judge rejected it ({', '.join(record.get('defences') or [])}): {reason}")
     else:
         lines += _gates(record, reason)
+    lines += profile or []
     warnings = (record or {}).get("warnings") or []
     lines += [f"Warning: {w}" for w in warnings[:3]]
     if flags:
