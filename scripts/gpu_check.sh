@@ -28,6 +28,7 @@
 #               DeepSeek-shaped model's GPU tests and its speculative generation, on the GPU)
 #   dsa   (scripts/dsa_sweep.py: DSA against dense MLA decode by context length, the crossover; the FP8 latent cache)
 #   abstraction   (the abstraction ladder's GPU tests, then kforge ladder abstraction for the GEMM and the softmax)
+#   tune   (kforge tune gemm: this GPU's GEMM dispatch table, 28 shapes x 6 kernels against cuBLAS)
 #   bench-mla   (kforge bench mla: FlashMLA's shapes against the eager and compiled compositions; MLA_SHAPES)
 #   bench-moe   (kforge bench moe: the grouped GEMMs in bf16 and FP8 against torch._grouped_mm and per-expert loops,
 #                DeepSeek-V3's MoE layer against a _grouped_mm composition, split by stage; MOE_SHAPES picks groups
@@ -199,6 +200,10 @@ fi
 if [[ $parts == *" fp8-gemv "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_fp8_gemv.py tests/models/test_decode_graphs.py \
     -k "fp8 or gemv" 2>&1 | tail -15 | tee "$out/pytest-fp8-gemv-gpu.txt"
+fi
+if [[ $parts == *" tune "* ]]; then  # the GEMM dispatch table of this GPU: 28 shapes x 6 kernels against cuBLAS
+  python3 -m kforge tune gemm --results "$out/tune-gemm.jsonl" --out "$out/dispatch-gemm-bf16.json" 2>&1 \
+    | tail -35 | tee "$out/tune-gemm.txt"
 fi
 if [[ $parts == *" deepseek "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_speculative_sampling.py \

@@ -765,6 +765,80 @@ def _bench_model(given: dict, *, results: Path, chart: Path, replot: bool, json_
     save_chart_or_say(bench.save_model_chart, rows, chart, title=title)
 
 
+tune_app = typer.Typer(no_args_is_help=True, help="Time the kernels an op may choose on this GPU and write its "
+                       "dispatch table.")
+app.add_typer(tune_app, name="tune")
+
+
+@tune_app.command("gemm")
+def tune_gemm_command(
+    shapes: str = typer.Option("bench", help="bench (kforge bench gemm's squares and Llama-3 projections), or "
+                               "'M,N,K[:kn|nk];...' (nk: y = x W^T)."),
+    time_budget: float = typer.Option(1.0, min=0.1, help="Seconds of timed rounds per evaluation at most."),
+    results: Path = typer.Option(None, help="JSONL file the records are appended to (default: tune-gemm.jsonl in "
+                                 "$KFORGE_RESULTS_DIR, else in ./kforge-results/).", show_default=False),
+    from_records: Path = typer.Option(None, "--from-records", help="Time nothing: build the table from these "
+                                      "records (any machine).", show_default=False),
+    device_name: str = typer.Option(None, "--device-name", help="With --from-records: whose records (default: the "
+                                    "only device in them).", show_default=False),
+    out: Path = typer.Option(None, help="Where the table goes (default: where kforge.ops.matmul reads it, "
+                             "$KFORGE_CACHE_DIR/dispatch/).", show_default=False),
+) -> None:
+    """Which bf16 GEMM kernel kforge.ops.matmul runs for each shape: every candidate (rungs 4-6
+    and rung 4's variants) judged against cuBLAS, both gates; per shape the fastest that is
+    faster than cuBLAS, else cuBLAS itself. Shapes no table holds keep the built-in rules.
+    See src/kforge/tune.py."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from kforge import tune
+    from kforge.harness.record import read_records
+
+    command = shlex.join(["kforge", *sys.argv[1:]])
+    if from_records is not None:
+        if not from_records.is_file():
+            raise KforgeError(f"--from-records: {from_records} does not exist")
+        with _store_warnings():
+            records = read_records(from_records)
+        devices = sorted({r["device"]["name"] for r in records})
+        if device_name is None:
+            if len(devices) != 1:
+                raise KforgeError(f"--from-records: records of {len(devices)} devices ({', '.join(devices) or 'none'});"
+                                  " name one with --device-name")
+            device_name = devices[0]
+    else:
+        import torch
+
+        from kforge.bench import run_bench
+        from kforge.device import current_device
+
+        if not torch.cuda.is_available():
+            raise KforgeError("kforge tune gemm times kernels on a GPU, and this machine has no CUDA device",
+                              "Build a table from records on any machine: --from-records FILE.")
+        device_name = current_device("cuda").name
+        results = results or default_results("tune-gemm.jsonl")
+        jobs = tune.tune_jobs(tune.tune_shapes(shapes))
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                      disable=not show_progress()) as progress:
+            task = progress.add_task("tune", total=None)
+            records = run_bench(jobs, time_budget=time_budget, results=results, command=command,
+                                on_step=lambda text: progress.update(task, description=text))
+    table = tune.table_from_records(records, device_name, command)
+    if not table.entries:
+        raise KforgeError(f"no tune records of {device_name} (candidates named 'rung N ...' on matmul_bf16 or "
+                          "linear_bf16)")
+    path = table.save(out or tune.user_table_path(device_name))
+    tune.load_table.cache_clear()
+    view = Table(title=f"GEMM dispatch on {device_name}: {path}", title_justify="left")
+    for column in ("M", "N", "K", "B", "runs", "vs cuBLAS (95% interval)"):
+        view.add_column(column, justify="right" if column in "MNK" else "left")
+    for e in table.entries:
+        ratio = "" if e.speedup is None else f"{e.speedup:.3f}x" + (
+            f" ({e.low:.3f}-{e.high:.3f})" if e.low is not None and e.high is not None else "")
+        view.add_row(str(e.m), str(e.n), str(e.k), e.b_layout, e.choice, ratio or "none of ours faster")
+    show(view)
+
+
 trace_app = typer.Typer(no_args_is_help=True, help="Step through an algorithm and print every intermediate.")
 app.add_typer(trace_app, name="trace")
 

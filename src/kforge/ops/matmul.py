@@ -5,6 +5,10 @@ implementation, and autograd uses the same op for the backward products. Our ker
 take bf16 2-D operands on a Hopper GPU with N and K multiples of 8 (TMA's 16-byte rows);
 b may be K x N row-major or the transpose of an N x K row-major tensor (a linear layer's
 weight, `w.t()`), which the kernel reads as it lies. Anything else goes to torch.matmul.
+
+Which kernel: this GPU's dispatch table where it holds the shape (`kforge tune gemm` writes it
+from timings against cuBLAS; where none of ours was faster it says cuBLAS, and the op calls
+torch.matmul), else `best_kernel`'s rules below.
 """
 
 from __future__ import annotations
@@ -55,6 +59,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_properties(index).name
+
+
 def _layout(b: torch.Tensor) -> str | None:
     if b.is_contiguous():
         return "kn"
@@ -83,8 +92,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.matmul(a, b)
     from kforge.kernels.gemm_bf16 import gemm
 
+    from kforge.tune import choose
+
     layout = _layout(b)
-    step, defines = best_kernel(a.shape[0], b.shape[1], a.shape[1], _sm_count(a.device.index))
+    index = a.device.index
+    choice = choose(a.shape[0], b.shape[1], a.shape[1], layout, _device_name(index), _sm_count(index))
+    if choice is None:  # this GPU's dispatch table measured cuBLAS faster at this shape (kforge tune gemm)
+        return torch.matmul(a, b)
+    step, defines = choice
     return gemm(a, b if layout == "kn" else b.t(), step, b_layout=layout, defines=defines)
 
 
