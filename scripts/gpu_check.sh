@@ -26,7 +26,8 @@
 #   fp8-gemv   (the FP8 decode GEMV's GPU tests, and the engine's FP8 decode through it)
 #   deepseek   (chain and tree speculative sampling, MLA decode, DSA's indexer and sparse MLA, the
 #               DeepSeek-shaped model's GPU tests and its speculative generation, on the GPU)
-#   dsa   (scripts/dsa_sweep.py: DSA against dense MLA decode by context length, the crossover; the FP8 latent cache)
+#   dsa   (scripts/dsa_sweep.py: DSA against dense MLA decode by context length, the crossover; the FP8 latent cache;
+#          DSA prefill (indexer, top-k, sparse MLA) against a dense causal prefill at 4k-32k prompts)
 #   abstraction   (the abstraction ladder's GPU tests, then kforge ladder abstraction for the GEMM and the softmax)
 #   tune   (kforge tune gemm: this GPU's GEMM dispatch table, 28 shapes x 6 kernels against cuBLAS)
 #   bench-mla   (kforge bench mla: FlashMLA's shapes against the eager and compiled compositions; MLA_SHAPES)
@@ -207,8 +208,9 @@ if [[ $parts == *" tune "* ]]; then  # the GEMM dispatch table of this GPU: 28 s
 fi
 if [[ $parts == *" deepseek "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_speculative_sampling.py \
-    tests/kernels/test_speculative_draws.py tests/kernels/test_tree_verification.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_sparse.py \
-    tests/models/test_deepseek.py 2>&1 | tail -8 | tee "$out/pytest-deepseek-gpu.txt"
+    tests/kernels/test_speculative_draws.py tests/kernels/test_tree_verification.py tests/kernels/test_mla_decode.py \
+    tests/kernels/test_mla_sparse.py tests/kernels/test_mla_sparse_prefill.py \
+    tests/models/test_deepseek.py tests/models/test_deepseek_engine.py 2>&1 | tail -8 | tee "$out/pytest-deepseek-gpu.txt"
   python3 -m kforge.models.deepseek --k 1,2,4 --device cuda --dtype bfloat16 2>&1 | tail -12 \
     | tee "$out/deepseek-speculation.txt"
   python3 -m kforge.models.deepseek --requests 32 --slots 8 --k 1,2 --device cuda --dtype bfloat16 2>&1 \

@@ -31,7 +31,9 @@ Kernels (Triton):
   of the index list): the index tile is loaded first, each valid index (0 <= t < n_b) names a
   page and a slot, and the gathered rows feed the same two dots and online softmax as dense
   decode. Splits of the list write partials that `decode.mla_decode_combine_kernel` merges (the
-  list's length plays the context length).
+  list's length plays the context length). With PAGED off it reads a contiguous kv instead (row
+  t at t x the row stride, no block table, no lengths): `sparse_prefill.py` runs DSA's prefill
+  that way, each prompt token a request of one token, through `launch_sparse_mla`.
 The top-k between them is `torch.topk` (on the GPU for GPU tensors): ties are broken as it
 breaks them, so tests compare the selected scores, not the order of equal ones.
 Nothing here has run on a GPU yet.
@@ -89,7 +91,7 @@ def sparse_decode_kernel(
         stride_qb, stride_qs, stride_qh, stride_cp, stride_ct, stride_table, stride_ib, stride_is,
         h_q, s_q, max_pages, topk, num_splits, split_size, qk_scale,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr,
-        PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        PAGE_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PAGED: tl.constexpr = True):
     m_blocks = tl.cdiv(h_q, BLOCK_M)
     query = tl.program_id(0) // m_blocks  # (request, query token), flattened
     request = query // s_q
@@ -97,7 +99,9 @@ def sparse_decode_kernel(
     heads = (tl.program_id(0) % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     real = heads < h_q
     split = tl.program_id(1)
-    length = tl.minimum(tl.load(seqlens_ptr + request), max_pages * PAGE_SIZE)
+    length = max_pages * PAGE_SIZE  # unpaged: the kv's rows, as pages of one token
+    if PAGED:
+        length = tl.minimum(tl.load(seqlens_ptr + request), length)
     start = split * split_size
     end = tl.minimum(start + split_size, topk)
 
@@ -116,8 +120,11 @@ def sparse_decode_kernel(
         offs_n = tile + tl.arange(0, BLOCK_N)
         picked = tl.load(indices + offs_n, mask=offs_n < end, other=-1)
         valid = (picked >= 0) & (picked < length)  # -1 pads the list; a bad index reads nothing
-        page = tl.load(table + picked // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        token_rows = cache_ptr + page * stride_cp + (picked % PAGE_SIZE) * stride_ct
+        if PAGED:
+            page = tl.load(table + picked // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+            token_rows = cache_ptr + page * stride_cp + (picked % PAGE_SIZE) * stride_ct
+        else:
+            token_rows = cache_ptr + picked.to(tl.int64) * stride_ct
         kv = tl.load(token_rows[:, None] + offs_v[None, :], mask=valid[:, None], other=0.0)  # K's first 512 and V
         k_rope = tl.load(token_rows[:, None] + D_V + offs_r[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
@@ -269,8 +276,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     token with no valid index gets out = 0 and lse = -inf. `config` fixes the tiling and the
     splits, as for `decode.plan_mla_decode`."""
     scale = check_mla_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale)
-    batch, s_q, h_q, head_dim = q.shape
-    topk = check_sparse_indices(indices, batch, s_q)
+    batch, s_q, h_q, _ = q.shape
+    check_sparse_indices(indices, batch, s_q)
     num_pages, page_size, _, _ = kv_cache.shape
     if indices.device != q.device:
         raise ValueError(f"indices are on {indices.device}, q on {q.device}")
@@ -278,34 +285,47 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         check_mla_table_values(block_table, cache_seqlens, num_pages, page_size)
     out = _empty((batch, s_q, h_q, head_dim_v), q.dtype, q.device)
     lse = _empty((batch, h_q, s_q), torch.float32, q.device)
-    if batch == 0:
-        return out, lse
+    launch_sparse_mla(q, q.stride()[:3], kv_cache, kv_cache.stride()[:2], block_table, cache_seqlens, indices,
+                      indices.stride()[:2], out, lse, requests=batch, s_q=s_q, max_pages=block_table.shape[1],
+                      page_size=page_size, scale=scale, config=config, paged=True)
+    return out, lse
+
+
+def launch_sparse_mla(q, q_strides, kv, kv_strides, block_table, cache_seqlens, indices, index_strides, out, lse, *,
+                      requests: int, s_q: int, max_pages: int, page_size: int, scale: float, config: dict | None,
+                      paged: bool) -> None:
+    """`sparse_decode_kernel` (and the combine, if the lists are split) on checked inputs, writing
+    out (requests, s_q, h_q, head_dim_v) and lse (requests, h_q, s_q), both contiguous. The strides
+    are q's (request, token, head), kv's (page, slot) and the index list's (request, token).
+    `paged` False: kv is one contiguous run of max_pages rows (page_size 1) every request reads,
+    and block_table and cache_seqlens are not read (`sparse_prefill.sparse_mla_prefill`)."""
+    h_q, head_dim = q.shape[-2:]
+    head_dim_v, topk = out.shape[-1], indices.shape[-1]
+    if requests == 0:
+        return
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else H100_SMS
     # dense decode's plan, with each query token's heads as the rows and its index list as the context
-    plan = plan_mla_decode(batch * s_q, h_q, topk, num_sms, config, q.element_size())
-    block_m, block_n, split_size, num_splits, split = (plan.block_m, plan.block_n, plan.split_size, plan.num_splits,
-                                                       plan.split)
+    plan = plan_mla_decode(requests * s_q, h_q, topk, num_sms, config, q.element_size())
     rows = s_q * h_q
-    if split:
-        part_out = _empty((batch, rows, num_splits, head_dim_v), torch.float32, q.device)
-        part_lse = _empty((batch, rows, num_splits), torch.float32, q.device)
+    if plan.split:
+        part_out = _empty((requests, rows, plan.num_splits, head_dim_v), torch.float32, q.device)
+        part_lse = _empty((requests, rows, plan.num_splits), torch.float32, q.device)
     else:
         part_out = part_lse = out  # not touched without SPLIT
-    grid = (batch * s_q * triton.cdiv(h_q, block_m), num_splits)
+    grid = (requests * s_q * triton.cdiv(h_q, plan.block_m), plan.num_splits)
     sparse_decode_kernel[grid](
-        q, kv_cache, block_table, cache_seqlens, indices, out, lse, part_out, part_lse,
-        q.stride(0), q.stride(1), q.stride(2), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        indices.stride(0), indices.stride(1), h_q, s_q, block_table.shape[1], topk, num_splits, split_size,
-        scale * LOG2E, BLOCK_M=block_m, BLOCK_N=block_n, D_V=head_dim_v, D_ROPE=head_dim - head_dim_v,
-        PAGE_SIZE=page_size, SPLIT=split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        q, kv, block_table, cache_seqlens, indices, out, lse, part_out, part_lse,
+        *q_strides, *kv_strides, block_table.stride(0), *index_strides, h_q, s_q, max_pages, topk,
+        plan.num_splits, plan.split_size, scale * LOG2E, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        D_V=head_dim_v, D_ROPE=head_dim - head_dim_v, PAGE_SIZE=page_size, SPLIT=plan.split,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PAGED=paged,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
-    if split:
+    if plan.split:
         # every split of the list was written: the list's length stands in for the context's
-        written = torch.full((batch,), topk, dtype=torch.int32, device=q.device)
-        mla_decode_combine_kernel[(batch * rows,)](
-            part_out, part_lse, written, out, lse, h_q, s_q, topk, num_splits, split_size, D_V=head_dim_v,
-            BLOCK_S=min(MAX_COMBINE_BLOCK, triton.next_power_of_2(num_splits)), num_warps=4)
-    return out, lse
+        written = torch.full((requests,), topk, dtype=torch.int32, device=q.device)
+        mla_decode_combine_kernel[(requests * rows,)](
+            part_out, part_lse, written, out, lse, h_q, s_q, topk, plan.num_splits, plan.split_size,
+            D_V=head_dim_v, BLOCK_S=min(MAX_COMBINE_BLOCK, triton.next_power_of_2(plan.num_splits)), num_warps=4)
 
 
 def sparse_mla_decode_reference(q, kv_cache, block_table, cache_seqlens, indices, head_dim_v: int = 512, *,
