@@ -58,6 +58,14 @@ def test_the_engine_generates_what_single_request_generation_does(model, k, temp
         assert engine.stats.tokens_per_row_step == 1.0
 
 
+def test_greedy_and_sampled_requests_share_a_step_and_each_generates_what_it_would_alone(model):
+    params = [SamplingParams(max_tokens=10, temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(len(PROMPTS))]
+    alone = [generate(model, p, q, draft_k=2) for p, q in zip(PROMPTS, params)]
+    engine = DeepSeekEngine(model, max_slots=4, max_context=64, draft_k=2)
+    assert [r.output for r in _run(engine, params)] == [g.tokens for g in alone]
+    assert engine.stats.accepted == sum(g.accepted for g in alone)
+
+
 def test_a_stop_token_inside_a_speculative_step_ends_the_request_there(model):
     # speculative sampling draws differently from plain sampling: the reference is speculative too
     spec = generate(model, PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.0, seed=0), draft_k=3).tokens

@@ -17,9 +17,10 @@ A step runs what the scheduler hands out:
    at once. Speculative, with K = draft_k:
    - draft: the MTP's last output of each row gives d_1; K - 1 more MTP passes over all rows
      give d_2..d_K (each feeds the MTP its own output and the token it just drafted);
-   - verify: one target pass of [y, d_1, .., d_K] a row, causal among the K + 1; each row is
-     verified on its own (`generate.verify`: greedy, or chain speculative sampling at the
-     request's temperature), keeping a accepted drafts and one more token;
+   - verify: one target pass of [y, d_1, .., d_K] a row, causal among the K + 1; each row keeps
+     a accepted drafts and one more token, by `generate.verify`'s rule (greedy rows by their
+     argmaxes, sampled rows in one chain-sampling launch, each at its temperature on draws from
+     its own generator);
    - the scheduler records the a + 1 tokens (its `computed` counts y and the a drafts, now in
      the cache); the target's row is cut back to them;
    - catch-up, for the rows still running: the MTP cache is cut back to the committed rows and
@@ -47,8 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kforge import ops
 from kforge.errors import ModelError
-from kforge.models.deepseek.generate import verify
 from kforge.models.deepseek.model import DeepSeekV3
 from kforge.models.sampling import SamplingParams, make_generator, sample
 from kforge.models.scheduler import Request, Scheduler, Work
@@ -191,12 +192,9 @@ class DeepSeekEngine:
         by_row = [list(row) for row in zip(*drafts)]  # (B, K)
         fed = torch.tensor([w.tokens + d for w, d in zip(decodes, by_row)], device=self.device)
         hidden = model.decode(fed, self.cache, rows=slots)
-        target_logits = model.logits(hidden)  # (B, K + 1, vocab)
+        kept_by_row = self._verify(requests, by_row, torch.stack(draft_logits, 1), model.logits(hidden))
         emitted = {}
-        for b, request in enumerate(requests):
-            row_drafts = by_row[b]
-            kept = verify(row_drafts, torch.stack([step[b] for step in draft_logits]), target_logits[b],
-                          request.params.temperature, self._generators[request.id])
+        for b, (request, kept) in enumerate(zip(requests, kept_by_row)):
             emitted[request.id] = kept
             self.cache.truncate(request.slot, decodes[b].start + len(kept))  # y and the accepted drafts
             self.stats.accepted += len(kept) - 1
@@ -205,6 +203,35 @@ class DeepSeekEngine:
         self.stats.row_steps += len(decodes)
         self.stats.drafted += k * len(decodes)
         return emitted, hidden
+
+    def _verify(self, requests: list[Request], drafts: list[list[int]], draft_logits: torch.Tensor,
+                target_logits: torch.Tensor) -> list[list[int]]:
+        """Each row's accepted drafts and one more token, as `generate.verify` decides them for one
+        request, with two reads back from the device for the whole batch: the greedy rows'
+        argmaxes, and one chain-sampling launch for the sampled rows (each at its temperature, on
+        draws from its own generator, so a request's tokens do not depend on its batch).
+        draft_logits (B, K, vocab), target_logits (B, K + 1, vocab)."""
+        kept: list[list[int]] = [[] for _ in requests]
+        greedy = [b for b, r in enumerate(requests) if r.params.greedy]
+        if greedy:
+            for b, best in zip(greedy, target_logits[greedy].argmax(-1).tolist()):
+                accepted = 0
+                while accepted < len(drafts[b]) and drafts[b][accepted] == best[accepted]:
+                    accepted += 1
+                kept[b] = drafts[b][:accepted] + [best[accepted]]
+        sampled = [b for b, r in enumerate(requests) if not r.params.greedy]
+        if sampled:
+            temperature = torch.tensor([requests[b].params.temperature for b in sampled], device=self.device)[:, None,
+                                                                                                           None]
+            q = torch.softmax(draft_logits[sampled].float() / temperature, dim=-1)
+            p = torch.softmax(target_logits[sampled].float() / temperature, dim=-1)
+            ids = torch.tensor([drafts[b] for b in sampled], device=self.device)
+            uniforms = torch.cat([torch.rand((1, self.draft_k + 1), generator=self._generators[requests[b].id],
+                                             dtype=torch.float32, device=self.device) for b in sampled])
+            out, _, emitted = ops.chain_speculative_sampling(q, ids, p, uniforms, validate=False)
+            for b, row, n in zip(sampled, out.tolist(), emitted.tolist()):
+                kept[b] = row[:n + 1]
+        return kept
 
     def _catch_up(self, decodes: list[Work], hidden: torch.Tensor, tokens: dict[str, list[int]],
                   finished: set[str]) -> None:
