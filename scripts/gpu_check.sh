@@ -30,6 +30,8 @@
 #          DSA prefill (indexer, top-k, sparse MLA) against a dense causal prefill at 4k-32k prompts)
 #   abstraction   (the abstraction ladder's GPU tests, then kforge ladder abstraction for the GEMM and the softmax)
 #   tune   (kforge tune gemm: this GPU's GEMM dispatch table, 28 shapes x 6 kernels against cuBLAS)
+#   attention-backward   (the FlashAttention backward's and the FP8 forward's GPU tests, then kforge bench attention
+#                         --backward on ATTENTION_BACKWARD_SHAPES: ours, deterministic, SDPA flash and cuDNN)
 #   bench-mla   (kforge bench mla: FlashMLA's shapes against the eager and compiled compositions; MLA_SHAPES)
 #   bench-moe   (kforge bench moe: the grouped GEMMs in bf16 and FP8 against torch._grouped_mm and per-expert loops,
 #                DeepSeek-V3's MoE layer against a _grouped_mm composition, split by stage; MOE_SHAPES picks groups
@@ -201,6 +203,13 @@ fi
 if [[ $parts == *" fp8-gemv "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_fp8_gemv.py tests/models/test_decode_graphs.py \
     -k "fp8 or gemv" 2>&1 | tail -15 | tee "$out/pytest-fp8-gemv-gpu.txt"
+fi
+if [[ $parts == *" attention-backward "* ]]; then
+  python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_flash_backward.py \
+    tests/kernels/test_flash_fp8.py 2>&1 | tail -25 | tee "$out/pytest-attention-backward-gpu.txt"
+  python3 -m kforge bench attention --backward \
+    --shapes "${ATTENTION_BACKWARD_SHAPES:-full N=4096 D=128,causal N=4096 D=128}" \
+    --results "$out/bench-attention-backward.jsonl" 2>&1 | tee "$out/bench-attention-backward.txt"
 fi
 if [[ $parts == *" tune "* ]]; then  # the GEMM dispatch table of this GPU: 28 shapes x 6 kernels against cuBLAS
   python3 -m kforge tune gemm --results "$out/tune-gemm.jsonl" --out "$out/dispatch-gemm-bf16.json" 2>&1 \

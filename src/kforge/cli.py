@@ -584,6 +584,9 @@ def bench_command(
     replot: bool = typer.Option(False, help="Measure nothing: redraw the table and chart from --results."),
     sweep: bool = typer.Option(False, help="attention: time our kernel in each of its autotuner's configs "
                                "instead of the methods."),
+    backward: bool = typer.Option(False, help="attention: time the backward pass and a training step (forward + "
+                                  "backward) of ours, SDPA flash and SDPA cuDNN instead of the forward (default "
+                                  "results: bench-attention-backward.jsonl)."),
     json_output: bool = typer.Option(False, "--json", help="Print the table's rows as JSON instead of the table."),
     model: str = typer.Option(None, "--model", help="model: a preset, random weights (default llama3-8b; "
                               "llama3-1b or tiny for quick runs).", show_default=False),
@@ -614,7 +617,9 @@ def bench_command(
     from kforge.bench import bench_rows, run_bench, save_bench_chart
     from kforge.harness.record import read_records
 
-    results = results or default_results(f"bench-{family.value}.jsonl")
+    if backward and (family != BenchFamily.attention or sweep):
+        raise KforgeError("--backward is for kforge bench attention, without --sweep")
+    results = results or default_results(f"bench-{family.value}{'-backward' if backward else ''}.jsonl")
     chart = chart or results.with_suffix(".png")
     model_only = {"--model": model, "--parts": parts, "--weights": weights, "--baselines": baselines,
                   "--sizes": sizes, "--max-seconds": max_seconds, "--compile-mode": compile_mode}
@@ -671,9 +676,14 @@ def bench_command(
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
                       disable=not show_progress(json_output)) as progress:
             task = progress.add_task("bench", total=None)
-            records = run_bench(make_jobs(chosen), time_budget=time_budget, results=results,
-                                command=shlex.join(["kforge", *sys.argv[1:]]),
-                                on_step=lambda text: progress.update(task, description=text))
+            command = shlex.join(["kforge", *sys.argv[1:]])
+            if backward:
+                records = bench.run_attention_backward(chosen, time_budget=time_budget, results=results,
+                                                       command=command,
+                                                       on_step=lambda text: progress.update(task, description=text))
+            else:
+                records = run_bench(make_jobs(chosen), time_budget=time_budget, results=results, command=command,
+                                    on_step=lambda text: progress.update(task, description=text))
             if family == BenchFamily.moe:  # the layer's time by stage, in process (bench/moe.py)
                 records += bench.run_moe_stages(chosen, time_budget=time_budget, results=results,
                                                 command=shlex.join(["kforge", *sys.argv[1:]]),
@@ -682,6 +692,10 @@ def bench_command(
         raise KforgeError(f"no records in {results}")
     device_name = records[0]["device"]["name"]
     results_path = None if replot else str(results)
+    if backward:
+        _show_attention_backward(records, device_name, chart=chart, json_output=json_output,
+                                 results_path=results_path)
+        return
     if family in (BenchFamily.serving, BenchFamily.mla):
         from kforge.bench.serving import save_serving_chart, serving_rows
         from kforge.views import serving_bench_view
@@ -734,6 +748,25 @@ def bench_command(
     if json_output:
         print_json({"title": title, "baseline": bench.BASELINE, "rows": rows})
     save_chart_or_say(save, rows, chart, **kwargs)
+
+
+def _show_attention_backward(records: list[dict], device_name: str, *, chart: Path, json_output: bool,
+                             results_path: str | None) -> None:
+    """`kforge bench attention --backward`: the table (or --json) and the chart of the backward records."""
+    from kforge.bench import attention as bench
+    from kforge.views import attention_backward_view
+
+    lines = bench.backward_lines(records)
+    if not lines:
+        raise KforgeError("no backward records: the file holds other benchmarks' records")
+    title = f"attention backward and training step bf16 on {device_name}: vs SDPA flash (same run)"
+    if json_output:
+        print_json({"title": title, "baseline": bench.BASELINE, "rows": lines})
+    else:
+        show(attention_backward_view(lines, title=title, results_path=results_path))
+    rows = bench.backward_bench_rows(records, "backward")
+    if rows:
+        save_chart_or_say(bench.save_attention_chart, rows, chart, title=f"{title}: backward", records=records)
 
 
 def _bench_model(given: dict, *, results: Path, chart: Path, replot: bool, json_output: bool) -> None:

@@ -333,6 +333,41 @@ def attention_bench_view(rows, *, title: str, records: list[dict], results_path:
     return Group(*parts)
 
 
+def attention_backward_view(lines, *, title: str, results_path: str | None) -> Group:
+    """`kforge bench attention --backward`: one line per (shape, method), SDPA flash first: the
+    backward's device time, TFLOP/s and ratio to SDPA flash, the same for a training step, and how
+    far the method's gradients are from SDPA flash's (`bench/attention.py`)."""
+    from kforge.bench.attention import BASELINE
+
+    table = Table(title=title, title_justify="left")
+    for column in ("shape", "method", "bwd", "bwd TFLOP/s", f"bwd vs {BASELINE}", "step", "step TFLOP/s",
+                   f"step vs {BASELINE}", "grads vs flash", "status"):
+        table.add_column(column, justify="left" if column in ("shape", "method", "status") else "right")
+    previous = None
+    for line in lines:
+        ok = line.status == "ok"
+        table.add_row(line.shape if line.shape != previous else "", line.method, fmt_ms(line.ms.get("backward")),
+                      _num(line.tflops.get("backward") if ok else None, "{:,.0f}"),
+                      _num(line.vs_flash.get("backward") if ok else None, "{:.3f}x"), fmt_ms(line.ms.get("train")),
+                      _num(line.tflops.get("train") if ok else None, "{:,.0f}"),
+                      _num(line.vs_flash.get("train") if ok else None, "{:.3f}x"),
+                      _num(line.differs_from_flash if line.method != BASELINE else None, "{:.1e}"),
+                      Text(line.status, style=None if ok else "red"),
+                      style="bold" if line.method == "ours" else None)
+        previous = line.shape
+    note = ("bwd: the backward alone, replaying the method's own forward graph; step: forward + backward; median "
+            "device time, L2 flushed. TFLOP/s count the backward as 2.5x the forward's 4*B*H*N^2*D (5 matmuls to "
+            "2) and the step as 3.5x, half of each causal. grads vs flash: the largest relative (Frobenius) "
+            "distance of dQ, dK, dV from SDPA flash's. ours: dQ added with fp32 atomics; ours-deterministic: dQ "
+            "by its own kernel, bit-identical run to run.")
+    parts = [table, Text(note, style="dim")]
+    parts += [Text(f"{line.shape} {line.method}: {line.status}: {line.reason}", style="red")
+              for line in lines if line.reason]
+    if results_path:
+        parts.append(Text(f"records appended to {results_path}", style="dim"))
+    return Group(*parts)
+
+
 def serving_bench_view(rows, *, title: str, results_path: str | None) -> Group:
     """One line per shape: bytes, our time (harness and device), GB/s and TFLOP/s on device
     time, % of the roof (copy bandwidth, or the matmul rate for compute-bound shapes),
@@ -432,6 +467,8 @@ def results_markdown(root: Path) -> str:
                 lines += _model_markdown(records)
             elif records and jsonl.stem == "bench-moe":
                 lines += _moe_markdown(records)
+            elif records and jsonl.stem == "bench-attention-backward":
+                lines += _attention_backward_markdown(records)
             elif records and jsonl.stem.startswith("suite-"):
                 lines += _suite_scores_markdown(jsonl.stem, records) + _records_markdown(jsonl.stem, records)[2:]
             elif records:
@@ -658,6 +695,28 @@ def moe_bench_view(rows, stages, *, title: str, results_path: str | None) -> Gro
     if results_path:
         parts.append(Text(f"records appended to {results_path}", style="dim"))
     return Group(*parts)
+
+
+def _attention_backward_markdown(records: list[dict]) -> list[str]:
+    """`kforge bench attention --backward`: one line per (shape, method), SDPA flash first."""
+    from kforge.bench.attention import BASELINE, backward_lines
+
+    out = ["### bench-attention-backward", "", "Median device time, L2 flushed; TFLOP/s count the backward as 2.5x "
+           "the forward's 4*B*H*N^2*D and a training step (step) as 3.5x, half causal; ratios: SDPA flash's time "
+           "over the method's, same run.", "",
+           "| shape | method | bwd | bwd TFLOP/s | bwd vs flash | step | step TFLOP/s | step vs flash | "
+           "grads vs flash | status |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for line in backward_lines(records):
+        ok = line.status == "ok"
+        out.append(f"| {line.shape} | {line.method} | {fmt_ms(line.ms.get('backward'))} | "
+                   f"{_num(line.tflops.get('backward') if ok else None, '{:,.0f}')} | "
+                   f"{_num(line.vs_flash.get('backward') if ok else None, '{:.3f}x')} | "
+                   f"{fmt_ms(line.ms.get('train'))} | {_num(line.tflops.get('train') if ok else None, '{:,.0f}')} | "
+                   f"{_num(line.vs_flash.get('train') if ok else None, '{:.3f}x')} | "
+                   f"{_num(line.differs_from_flash if line.method != BASELINE else None, '{:.1e}')} | "
+                   f"{line.status if not line.reason else f'{line.status}: {line.reason}'} |")
+    return out + _provenance(records)
 
 
 def _moe_markdown(records: list[dict]) -> list[str]:

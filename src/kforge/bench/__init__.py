@@ -52,6 +52,47 @@ def run_bench(jobs: Iterable[BenchJob], *, time_budget: float, results: Path | N
     return records
 
 
+def run_in_process(shapes: Sequence, measure: Callable, *, bench: str, step: str, results: Path | None,
+                   command: str | None, on_step: Callable[[str], None] | None = None,
+                   fields: Callable[[object], dict] = lambda shape: {}) -> list[dict]:
+    """One record a shape for the benches whose calls cannot go through `evaluate()` (a backward
+    needs its forward's graph; a layer timed by stage): `measure(shape, device)` returns the
+    figures, timed in this process on this GPU. Each record is appended to `results` as it lands;
+    a shape that raises is recorded as an error (its first line and the traceback) and the next
+    one runs."""
+    import datetime
+    import traceback
+
+    import torch
+
+    from kforge.device import current_device, library_versions
+    from kforge.harness.record import append_record
+    from kforge.ladder import require_gpu
+
+    require_gpu()
+    device = current_device("cuda")
+    records = []
+    for shape in shapes:
+        if on_step:
+            on_step(f"{shape.label}: {step}")
+        record = {"bench": bench, "shape": shape.label, **fields(shape), "sizes": shape.sizes,
+                  "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "command": command, "device": device.to_dict(), "versions": library_versions(), "status": "ok",
+                  "reason": None}
+        try:
+            record.update(measure(shape, device))
+        except Exception as exc:  # noqa: BLE001 - one shape's failure is recorded; the table still prints
+            lines = str(exc).strip().splitlines()
+            record.update(status="error", reason=f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300],
+                          details=traceback.format_exc())
+        finally:
+            torch.cuda.empty_cache()
+        if results is not None:
+            append_record(results, record)
+        records.append(record)
+    return records
+
+
 class OursRates:
     """TFLOP/s and GB/s of our device time, for a row with `flops`, `bytes` and `ours_device_ms`."""
 

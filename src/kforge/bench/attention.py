@@ -5,16 +5,25 @@ Shapes follow the FlashAttention papers' sweep: sequence 512..16k, head dim 64 a
 causal and not, with batch x heads holding 32k tokens x 2048 model width, so every shape
 fills the GPU (B x H = 128 at N = 4096, D = 128). Naive attention is timed up to the
 largest shape whose N x N scores fit comfortably (two bf16 buffers of B*H*N^2).
+
+`kforge bench attention --backward` times, on the same shapes, the backward pass alone and
+a training step (forward + backward) of ours (atomic dQ, and deterministic), SDPA flash and
+SDPA cuDNN (`run_attention_backward`). Those run in process on the harness's timing engine,
+not through `evaluate()`: a problem's Model is one call on fresh inputs, and a backward needs
+the forward's graph kept from call to call. Each input set holds each method's own forward
+graph (its own saved output and log-sum-exp); a backward call replays that graph
+(`retain_graph`), a training-step call builds it anew. FLOPs: 2.5x the forward's 4*B*H*N^2*D
+backward (5 matmuls to 2), 3.5x for the step, half of each causal.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kforge.bench import BenchJob, size_constants
+from kforge.bench import BenchJob, BenchRow, size_constants
 
 PROBLEM = Path(__file__).parent.parent / "problems" / "level1" / "attention_bf16.py"
 BASELINE = "sdpa-flash"
@@ -25,6 +34,12 @@ TOKENS, MODEL_WIDTH = 32768, 2048
 # read off the FlashAttention-3 paper's charts): (non-causal, causal).
 PUBLISHED = {"FlashAttention-3 paper": (640, 580)}
 NAIVE_MAX_SCORES = 2**32  # B*H*N^2 entries: 8.6 GB a bf16 buffer (N = 8192 at D = 128)
+BACKWARD_RECORD = "attention-backward"  # the "bench" field of a backward record
+BACKWARD_METHODS = ("ours", "ours-deterministic", BASELINE, "sdpa-cudnn")
+PASSES = ("backward", "train")  # the backward alone; a training step, forward + backward
+# Two bf16 backward passes each ~3e-3 (relative, Frobenius) from float64 (tests/kernels/
+# test_flash_backward.py): farther apart than this from SDPA flash's gradients is a mismatch.
+BACKWARD_AGREEMENT = 2e-2
 
 
 @dataclass(frozen=True)
@@ -180,3 +195,158 @@ def save_attention_chart(rows, path: Path, *, title: str, records: Sequence[dict
     axes[0][-1].legend(fontsize=8)
     fig.suptitle(title, fontsize=11)
     return save_figure(fig, path)
+
+
+# --- the backward and the training step ------------------------------------------------------------
+
+def forward_with_graph(method: str, causal: bool) -> Callable:
+    """(q, k, v) -> out with autograd recording the method's own backward."""
+    if method.startswith("ours"):
+        from kforge.ops import flash_attention
+
+        deterministic = method == "ours-deterministic"
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, deterministic=deterministic)
+    return SdpaBackend({BASELINE: "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}[method], causal)
+
+
+def pass_flops(shape: AttentionShape, which: str) -> int:
+    """FLOPs of the backward (2.5 forwards) or of a training step (3.5 forwards), half causal."""
+    from kforge.kernels.attention.flash_backward import backward_flops
+
+    backward = backward_flops(shape.batch, shape.heads, shape.seq, shape.seq, shape.head_dim, shape.causal)
+    return backward if which == "backward" else backward * 7 // 5
+
+
+def time_backward(shape: AttentionShape, device, timing, methods: Sequence[str] = BACKWARD_METHODS,
+                  seed: int = 0) -> dict:
+    """Each method's backward and training step on `shape` (bf16), interleaved by the harness's
+    timing engine; the figures of a backward record. A method that fails on its first call is
+    recorded with its error and left out of the timing; one whose gradients stray from SDPA
+    flash's by more than BACKWARD_AGREEMENT is timed and marked "mismatch"."""
+    import torch
+
+    from kforge.harness.timing import time_interleaved
+    from kforge.ops.attention import ours_can_run
+
+    dev = device.torch_device
+    forwards = {m: forward_with_graph(m, shape.causal) for m in methods}
+
+    def input_set(i, names):  # q, k, v, dO and each method's forward graph on them
+        g = torch.Generator(device=dev).manual_seed(seed + i)
+        q, k, v, d_out = (torch.randn(shape.batch, shape.heads, shape.seq, shape.head_dim, generator=g, device=dev,
+                                      dtype=torch.bfloat16) for _ in range(4))
+        graphs = {}
+        with torch.enable_grad():
+            for m in names:
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                graphs[m] = (forwards[m](*leaves), leaves)
+        return [q, k, v, d_out, graphs]
+
+    def backward(m):
+        return lambda s: torch.autograd.grad(s[4][m][0], s[4][m][1], s[3], retain_graph=True)
+
+    def train_step(m):
+        def call(s):
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_() for t in s[:3]]
+                return torch.autograd.grad(forwards[m](*leaves), leaves, s[3])
+        return call
+
+    figures, gradients = {}, {}
+    for m in methods:  # the first call also autotunes ours
+        try:
+            first = input_set(0, [m])
+            if m.startswith("ours") and not ours_can_run(*first[:3], None):
+                raise RuntimeError("our kernels do not take these inputs (the op would run its PyTorch fallback)")
+            gradients[m] = backward(m)(first)
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot take the shape is recorded, not fatal
+            lines = str(exc).strip().splitlines()
+            figures[m] = {"status": "error", "reason": f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]}
+    working = [m for m in methods if m in gradients]
+    reference = gradients.get(BASELINE)
+    for m in working:
+        differs = None if reference is None else max(
+            float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(gradients[m], reference))
+        figures[m] = {"status": "mismatch" if differs is not None and differs > BACKWARD_AGREEMENT else "ok",
+                      "differs_from_flash": differs}
+    del gradients, reference
+    if not working:
+        return {"methods": figures}
+
+    fns = {f"{m} {which}": (backward if which == "backward" else train_step)(m) for m in working for which in PASSES}
+    run = time_interleaved(fns, lambda i: input_set(i + 1, working), device, timing)
+    for m in working:
+        for which in PASSES:
+            name = f"{m} {which}"
+            figures[m][which] = {"device_ms": run.profile[name].median_device_ms, "ms": run.stats[name].median_ms}
+    return {"methods": figures, "flops": {which: pass_flops(shape, which) for which in PASSES},
+            "timing": {"clock": run.clock, "rounds": run.rounds, "stop_reason": run.stop_reason,
+                       "cover_ms": run.cover_ms, "flush_bytes": run.flush_bytes}}
+
+
+def run_attention_backward(shapes: Sequence[AttentionShape], *, time_budget: float, results: Path | None,
+                           command: str | None = None, on_step: Callable[[str], None] | None = None) -> list[dict]:
+    """A backward record for every shape on this GPU, appended to `results` as each lands; a shape
+    that fails is recorded as an error and the next one runs."""
+    from kforge.bench import run_in_process
+    from kforge.harness.timing import TimingConfig
+
+    return run_in_process(shapes, lambda shape, device: time_backward(shape, device, TimingConfig(budget_s=time_budget)),
+                          bench=BACKWARD_RECORD, step="backward", results=results, command=command, on_step=on_step)
+
+
+@dataclass(frozen=True)
+class BackwardLine:
+    """One method on one shape: device times and rates of the backward and of the training step."""
+    shape: str
+    sizes: dict[str, int]
+    method: str
+    status: str  # ok, mismatch (gradients stray from SDPA flash's), error (no timing)
+    reason: str | None
+    ms: dict[str, float | None]  # per pass: median device time
+    tflops: dict[str, float | None]  # per pass: FLOPs over the device time
+    vs_flash: dict[str, float | None]  # per pass: SDPA flash's device time over this method's
+    differs_from_flash: float | None
+
+
+def backward_lines(records: Sequence[dict]) -> list[BackwardLine]:
+    """Per shape (latest backward record of each, in the order first seen) one line per method,
+    SDPA flash first."""
+    latest: dict[str, dict] = {}
+    for r in records:
+        if r.get("bench") == BACKWARD_RECORD:
+            latest[r["shape"]] = r
+    lines = []
+    for shape, r in latest.items():
+        methods = r.get("methods") or {}
+        if r.get("status") != "ok" or not methods:
+            lines.append(BackwardLine(shape, r.get("sizes") or {}, "-", r.get("status", "error"), r.get("reason"),
+                                      {}, {}, {}, None))
+            continue
+        flash = methods.get(BASELINE) or {}
+        for method in sorted(methods, key=lambda m: (m != BASELINE, BACKWARD_METHODS.index(m)
+                                                     if m in BACKWARD_METHODS else len(BACKWARD_METHODS), m)):
+            figures = methods[method]
+            ms = {p: (figures.get(p) or {}).get("device_ms") for p in PASSES}
+            flops = r.get("flops") or {}
+            lines.append(BackwardLine(
+                shape, r.get("sizes") or {}, method, figures.get("status", "error"), figures.get("reason"), ms,
+                {p: flops[p] / ms[p] / 1e9 if ms[p] and flops.get(p) else None for p in PASSES},
+                {p: (flash.get(p) or {}).get("device_ms") / ms[p] if ms[p] and (flash.get(p) or {}).get("device_ms")
+                 else None for p in PASSES},
+                figures.get("differs_from_flash")))
+    return lines
+
+
+def backward_bench_rows(records: Sequence[dict], which: str) -> list[BenchRow]:
+    """One pass's (backward or train) rates as BenchRows, for `save_attention_chart`."""
+    rows: dict[str, BenchRow] = {}
+    for line in backward_lines(records):
+        if line.method == "-" or line.status == "error":
+            continue
+        row = rows.setdefault(line.shape, BenchRow(line.shape, {}, {}, {}, line.sizes))
+        row.tflops[line.method] = line.tflops[which]
+        if line.method != BASELINE:
+            row.vs_baseline[line.method] = line.vs_flash[which]
+            row.status[line.method] = "passed" if line.status == "ok" else "incorrect"
+    return list(rows.values())

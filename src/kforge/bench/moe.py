@@ -42,14 +42,11 @@ loops (docs/moe.md).
 
 from __future__ import annotations
 
-import datetime as _dt
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kforge.bench import BenchJob, OursRates, size_constants
-from kforge.harness.record import append_record
 
 PROBLEMS = Path(__file__).parent.parent / "problems" / "moe"
 KERNELS = Path(__file__).parent.parent / "kernels" / "moe"
@@ -426,39 +423,20 @@ def run_moe_stages(shapes: Sequence[MoeShape], *, time_budget: float, results: P
                    command: str | None = None, on_step: Callable[[str], None] | None = None) -> list[dict]:
     """The stage split of every layer shape in `shapes` on this GPU, a record each (appended to
     `results` as it lands); a shape that fails is recorded as an error, and the next one runs."""
-    import torch
-
-    from kforge.device import current_device, library_versions
+    from kforge.bench import run_in_process
     from kforge.harness.problem import load_problem
     from kforge.harness.timing import TimingConfig
-    from kforge.ladder import require_gpu
+
+    def measure(shape, device):
+        problem = load_problem(LAYER_PROBLEM, "full", shape.sizes)
+        # twelve calls a round (a prefill round ~0.1 s): three times the judge's budget
+        return layer_stage_split(problem, device, TimingConfig(budget_s=STAGE_BUDGET_FACTOR * time_budget))
 
     layers = [s for s in shapes if s.kind == "layer"]
     if not layers:
         return []
-    require_gpu()
-    device = current_device("cuda")
-    records = []
-    for shape in layers:
-        if on_step:
-            on_step(f"{shape.label}: by stage")
-        record = {"bench": STAGE_RECORD, "shape": shape.label, "tokens": shape.rows, "sizes": shape.sizes,
-                  "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "command": command,
-                  "device": device.to_dict(), "versions": library_versions(), "status": "ok", "reason": None}
-        try:
-            problem = load_problem(LAYER_PROBLEM, "full", shape.sizes)
-            # twelve calls a round (a prefill round ~0.1 s): three times the judge's budget
-            record.update(layer_stage_split(problem, device, TimingConfig(budget_s=STAGE_BUDGET_FACTOR * time_budget)))
-        except Exception as exc:  # noqa: BLE001 - one shape's failure is recorded; the table still prints
-            lines = str(exc).strip().splitlines()
-            record.update(status="error", reason=f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300],
-                          details=traceback.format_exc())
-        finally:
-            torch.cuda.empty_cache()
-        if results is not None:
-            append_record(results, record)
-        records.append(record)
-    return records
+    return run_in_process(layers, measure, bench=STAGE_RECORD, step="by stage", results=results, command=command,
+                          on_step=on_step, fields=lambda shape: {"tokens": shape.rows})
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,24 @@
 """`kforge.ops.flash_attention(q, k, v, causal=..., scale=...)`: attention on kforge's
-FlashAttention forward kernel, laid out as `torch.nn.functional.scaled_dot_product_attention`.
+FlashAttention kernels, forward and backward, laid out as
+`torch.nn.functional.scaled_dot_product_attention`.
 
 q is (batch, heads, seq_q, head_dim); k and v are (batch, kv_heads, seq_k, head_dim) with
 kv_heads dividing heads (grouped-query attention, as SDPA's enable_gqa=True); causal is
 top-left aligned as SDPA's is_causal; scale defaults to 1/sqrt(head_dim). FLOPs: 4 *
-batch * heads * seq_q * seq_k * head_dim (half that causal, seq_q = seq_k); minimum HBM
-bytes: q, k, v read once and the output written once. Measured on the H100: see README
-("FlashAttention") and `kforge bench attention`.
+batch * heads * seq_q * seq_k * head_dim forward, 2.5x that backward (half of each causal,
+seq_q = seq_k); minimum HBM bytes: q, k, v read once and the output written once (backward:
+q, k, v, out, dout read and dq, dk, dv written once). Measured on the H100 (forward): see
+README ("FlashAttention") and `kforge bench attention`.
 
-A `torch.library` custom op returning (out, lse): torch.compile sees one opaque node, and
-autograd differentiates it by recomputing the probabilities from the saved log-sum-exp in
-PyTorch (exact, but it builds the N x N matrix: a training-speed backward is not here).
-The kernel runs for fp16/bf16/fp32 CUDA tensors on Hopper with head_dim in 16..256 and
-TMA-friendly strides; anything else runs naive attention in PyTorch.
+Two `torch.library` custom ops: the forward returns (out, lse) and the backward
+(`kforge::flash_attention_backward`) takes the saved out and lse, so torch.compile sees one
+opaque node each way. The backward runs `kernels/attention/flash_backward.py` (dQ, dK, dV
+recomputing the probabilities from the log-sum-exp, O(N) memory); `deterministic=True`, or
+`torch.use_deterministic_algorithms(True)`, makes its dQ bit-identical run to run. Both
+kernels run for fp16/bf16/fp32 CUDA tensors on Hopper with head_dim in 16..256 and
+TMA-friendly strides (`ours_can_run`); for anything else the forward runs naive attention
+and the backward recomputes the N x N probabilities in PyTorch, exact but O(N^2) memory.
+The backward is not differentiable again (no double backward).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from kforge.kernels.attention.naive import naive_attention
 
 
 def ours_can_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> bool:
-    """Whether our kernel takes these tensors (else the op computes naive attention)."""
+    """Whether our kernels take these tensors (else the op runs naive attention forward and the
+    PyTorch recompute backward)."""
     if not (q.is_cuda and torch.cuda.get_device_capability(q.device) >= (9, 0)):
         return False
     from kforge.kernels.attention.flash_forward import check_attention_inputs
@@ -48,8 +55,8 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 @torch.library.custom_op("kforge::flash_attention", mutates_args=())
-def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                     scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
+                     deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     _check_shapes(q, k, v)
     if ours_can_run(q, k, v, scale):
         from kforge.kernels.attention.flash_forward import flash_attention_forward
@@ -60,35 +67,32 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 
 
 @_flash_attention.register_fake
-def _(q, k, v, causal, scale):
+def _(q, k, v, causal, scale, deterministic=False):
     _check_shapes(q, k, v)
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, deterministic = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
 
 
-def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):
-    """dQ, dK, dV from P = exp(S - lse), recomputed in fp32:
+def _recompute_backward(grad_out, grad_lse, q, k, v, out, lse, causal, scale):
+    """dQ, dK, dV from P = exp(S - lse), the whole N x N matrix in fp32 (float64 for float64 inputs):
     dV = P^T dO; dP = dO V^T; dS = P * (dP - rowsum(dO * O) + dlse); dQ = dS K s; dK = dS^T Q s."""
-    q, k, v, out, lse = ctx.saved_tensors
-    scale = 1.0 / math.sqrt(q.shape[-1]) if ctx.scale is None else ctx.scale
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     group = q.shape[1] // k.shape[1]
-    work = torch.promote_types(q.dtype, torch.float32)  # fp32, or float64 for float64 inputs
+    work = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf = (t.to(work) for t in (q, k, v))
     kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
     scores = qf @ kf.transpose(-2, -1) * scale
-    if ctx.causal:
+    if causal:
         visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~visible, float("-inf"))
     p = torch.exp(scores - lse.to(work)[..., None])
     d_out = grad_out.to(work)
-    row_term = (d_out * out.to(work)).sum(-1, keepdim=True)
-    if grad_lse is not None:
-        row_term = row_term - grad_lse[..., None]
+    row_term = (d_out * out.to(work)).sum(-1, keepdim=True) - grad_lse.to(work)[..., None]
     d_scores = p * (d_out @ vf.transpose(-2, -1) - row_term)
     d_q = d_scores @ kf * scale
     d_k = d_scores.transpose(-2, -1) @ qf * scale
@@ -98,15 +102,48 @@ def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):
         b, h, n, d = t.shape
         return t.view(b, h // group, group, n, d).sum(2)
 
-    return d_q.to(q.dtype), per_kv_head(d_k).to(k.dtype), per_kv_head(d_v).to(v.dtype), None, None
+    return d_q.to(q.dtype), per_kv_head(d_k).to(k.dtype), per_kv_head(d_v).to(v.dtype)
+
+
+@torch.library.custom_op("kforge::flash_attention_backward", mutates_args=())
+def _flash_attention_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                              scale: float | None, deterministic: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv): our Triton backward where the forward ran our kernel, else the recompute."""
+    if not ours_can_run(q, k, v, scale):
+        return _recompute_backward(grad_out, grad_lse, q, k, v, out, lse, causal, scale)
+    from kforge.kernels.attention.flash_backward import flash_attention_backward
+    from kforge.kernels.attention.flash_forward import tma_compatible
+
+    # Autograd hands over what the loss made: `out.sum()` gives an expanded (stride 0) grad_out.
+    grad_out, out = (t if tma_compatible(t) else t.contiguous() for t in (grad_out, out))
+    return flash_attention_backward(grad_out, q, k, v, out, lse.contiguous(), causal=causal, scale=scale,
+                                    grad_lse=grad_lse.float().contiguous(), deterministic=deterministic)
+
+
+@_flash_attention_backward.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, causal, scale, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
+    """Autograd materialises both gradients (zeros for an output the loss did not use)."""
+    q, k, v, out, lse = ctx.saved_tensors
+    deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
+    d_q, d_k, d_v = _flash_attention_backward(grad_out, grad_lse, q, k, v, out, lse, ctx.causal, ctx.scale,
+                                              deterministic)
+    return d_q, d_k, d_v, None, None, None
 
 
 _flash_attention.register_autograd(_backward, setup_context=_setup)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                    scale: float | None = None, return_lse: bool = False):
+                    scale: float | None = None, return_lse: bool = False, deterministic: bool = False):
     """softmax(q k^T * scale) v, per head; with `return_lse`, also the fp32 log-sum-exp of
-    each query row (batch, heads, seq_q)."""
-    out, lse = _flash_attention(q, k, v, bool(causal), None if scale is None else float(scale))
+    each query row (batch, heads, seq_q). `deterministic` makes the backward's dq
+    bit-identical run to run (its own kernel instead of fp32 atomics; also on under
+    `torch.use_deterministic_algorithms(True)`)."""
+    out, lse = _flash_attention(q, k, v, bool(causal), None if scale is None else float(scale), bool(deterministic))
     return (out, lse) if return_lse else out

@@ -62,6 +62,20 @@ def _key_blocks(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, lo, hi
 
 
 @triton.jit
+def key_range(start_m, n_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """(unmasked_hi, hi) for the query block at start_m: key blocks below unmasked_hi are seen
+    whole by every row (no mask), those up to hi need the mask (the diagonal, the tail); causal,
+    keys past the block's last row are never seen. Shared by the forward, FP8 and dQ kernels."""
+    if CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, n_k)
+        unmasked_hi = tl.minimum(start_m + 1, n_k) // BLOCK_N * BLOCK_N
+    else:
+        hi = n_k
+        unmasked_hi = n_k // BLOCK_N * BLOCK_N
+    return unmasked_hi, hi
+
+
+@triton.jit
 def flash_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, n_q, n_k, heads, kv_group, qk_scale,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -76,12 +90,7 @@ def flash_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, n_q, n_k, head
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    if CAUSAL:  # keys past the last row of this block are never seen
-        hi = tl.minimum(start_m + BLOCK_M, n_k)
-        unmasked_hi = tl.minimum(start_m + 1, n_k) // BLOCK_N * BLOCK_N  # visible to every row
-    else:
-        hi = n_k
-        unmasked_hi = n_k // BLOCK_N * BLOCK_N
+    unmasked_hi, hi = key_range(start_m, n_k, BLOCK_M, BLOCK_N, CAUSAL)
     acc, l_i, m_i = _key_blocks(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, 0, unmasked_hi, n_k,
                                 qk_scale, BLOCK_N, HEAD_DIM, False, CAUSAL, DOT_PRECISION)
     acc, l_i, m_i = _key_blocks(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, offs_m, unmasked_hi, hi, n_k,
@@ -133,6 +142,12 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 16}
 HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
+def tma_compatible(t: torch.Tensor) -> bool:
+    """Whether a 4-D TMA descriptor can cover t: a contiguous last dimension, the other strides
+    and the start 16-byte aligned."""
+    return t.stride(3) == 1 and not any(s * t.element_size() % 16 for s in t.stride()[:3]) and not t.data_ptr() % 16
+
+
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> float:
     """Raise ValueError on anything the kernel cannot take; return the softmax scale."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -154,7 +169,7 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     if k.shape[2] == 0:
         raise ValueError("no keys: seq_k is 0, so the softmax is empty")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(3) != 1 or any(s * t.element_size() % 16 for s in t.stride()[:3]) or t.data_ptr() % 16:
+        if not tma_compatible(t):
             raise ValueError(f"{name} needs a contiguous last dimension, 16-byte aligned strides and start "
                              f"(TMA); got strides {t.stride()}")
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)

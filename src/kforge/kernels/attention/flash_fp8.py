@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kforge.kernels.attention.flash_forward import LOG2E, check_attention_inputs
+from kforge.kernels.attention.flash_forward import LOG2E, check_attention_inputs, key_range
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -129,12 +129,7 @@ def flash_fp8_kernel(q_desc, k_desc, v_desc, o_desc, q_scale_ptr, k_scale_ptr, v
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    if CAUSAL:
-        hi = tl.minimum(start_m + BLOCK_M, n_k)
-        unmasked_hi = tl.minimum(start_m + 1, n_k) // BLOCK_N * BLOCK_N
-    else:
-        hi = n_k
-        unmasked_hi = n_k // BLOCK_N * BLOCK_N
+    unmasked_hi, hi = key_range(start_m, n_k, BLOCK_M, BLOCK_N, CAUSAL)
     acc, l_i, m_i = _fp8_key_blocks(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_row, batch, kv_head, offs_m,
                                     0, unmasked_hi, n_k, BLOCK_N, HEAD_DIM, False, CAUSAL, PV_FP8)
     acc, l_i, m_i = _fp8_key_blocks(acc, l_i, m_i, q, q_scale, k_desc, v_desc, k_scale_row, batch, kv_head, offs_m,
