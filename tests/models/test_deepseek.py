@@ -18,13 +18,7 @@ from kforge.models.sampling import SamplingParams, sample
 TINY = preset("tiny")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tensors of a few KB: threads only add waiting, and a shared CPU makes it 40x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,7 @@ TINY = preset("tiny")
 PROMPTS = [[5, 77, 301, 12, 9, 440, 23, 100], [3, 4, 5], list(range(10, 30)), [7] * 5, [100, 200]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
 
 
 @pytest.fixture(scope="module")
