@@ -18,7 +18,7 @@ from kforge.models.sampling import SamplingParams, sample
 TINY = preset("tiny")
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

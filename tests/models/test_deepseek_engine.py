@@ -17,7 +17,7 @@ TINY = preset("tiny")
 PROMPTS = [[5, 77, 301, 12, 9, 440, 23, 100], [3, 4, 5], list(range(10, 30)), [7] * 5, [100, 200]]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/models/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
