@@ -36,10 +36,15 @@ class DeviceInfo:
     @property
     def slug(self) -> str:
         """A file-name-safe identity, e.g. 'nvidia-h100-80gb-hbm3'."""
-        return re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-") or self.kind
+        return name_slug(self.name) or self.kind
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def name_slug(name: str) -> str:
+    """A device name as a file-name-safe word: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def current_device(kind: str | None = None) -> DeviceInfo:

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kforge.device import cache_dir
+from kforge.device import cache_dir, name_slug
 from kforge.errors import KforgeError
 
 SCHEMA = 1
@@ -112,19 +112,15 @@ class GemmTable:
         return path
 
 
-def slug(device_name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
-
-
 def user_table_path(device_name: str) -> Path:
-    return cache_dir() / "dispatch" / f"{FAMILY}-{slug(device_name)}.json"
+    return cache_dir() / "dispatch" / f"{FAMILY}-{name_slug(device_name)}.json"
 
 
 @functools.cache
 def load_table(device_name: str) -> GemmTable | None:
     """The user's table for this device, else the one shipped for it, else None (cached: a
     process reads it once; `kforge tune` clears the cache when it writes one)."""
-    for path in (user_table_path(device_name), SHIPPED / f"{FAMILY}-{slug(device_name)}.json"):
+    for path in (user_table_path(device_name), SHIPPED / f"{FAMILY}-{name_slug(device_name)}.json"):
         if path.is_file():
             try:
                 data = json.loads(path.read_text())

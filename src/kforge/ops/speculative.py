@@ -29,9 +29,10 @@ from __future__ import annotations
 import torch
 
 from kforge.kernels.speculative.chain import check_chain_inputs, check_draft_ids, check_draws
-from kforge.kernels.speculative.draws import check_seed, philox_uniforms
+from kforge.kernels.speculative.draws import philox_uniforms
 from kforge.kernels.speculative.reference import chain_speculative_sampling_reference
-from kforge.kernels.speculative.tree import check_tree_inputs, check_tree_values, tree_verify_reference
+from kforge.kernels.speculative.tree import (check_tree_draws, check_tree_inputs, check_tree_values,
+                                             tree_verify_reference)
 
 
 @torch.library.custom_op("kforge::chain_speculative_sampling", mutates_args=())
@@ -81,7 +82,7 @@ def _tree_verify(tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: 
                  target_probs: torch.Tensor, uniforms: torch.Tensor | None, draft_probs: torch.Tensor | None,
                  mode: str, seed: int | None, offset: int, validate: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    seeded = seed is not None and mode != "greedy"
+    seeded = check_tree_draws(uniforms, seed, offset, mode)
     check_tree_inputs(tokens, first_child, next_sibling, target_probs, draft_probs, uniforms, mode, seeded)
     if validate:
         check_tree_values(tokens, first_child, next_sibling, target_probs.shape[2])
@@ -111,11 +112,8 @@ def tree_verify(tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: t
     request's draft tree and one final token. Random modes take `uniforms` (B, N), a `seed` (and
     `offset`: u[b, x] = Philox(seed, offset + b N + x), made in the kernel) or draw them from
     `generator`; greedy takes none."""
-    if seed is not None:
-        if uniforms is not None:
-            raise ValueError("give the draws as uniforms or as a seed (and offset), not both")
-        check_seed(seed, offset)
-    elif uniforms is None and mode != "greedy":
+    check_tree_draws(uniforms, seed, offset, mode)
+    if seed is None and uniforms is None and mode != "greedy":
         batch, nodes = tokens.shape
         uniforms = torch.rand((batch, nodes), generator=generator, dtype=torch.float32, device=target_probs.device)
     return _tree_verify(tokens, first_child, next_sibling, target_probs, uniforms, draft_probs, mode, seed,

@@ -215,6 +215,16 @@ def check_tree_inputs(tokens: torch.Tensor, first_child: torch.Tensor, next_sibl
         raise ValueError("tokens, first_child and next_sibling must share one layout")
 
 
+def check_tree_draws(uniforms: torch.Tensor | None, seed: int | None, offset: int, mode: str) -> bool:
+    """Raise ValueError on uniforms and a seed together, or a bad seed; return whether the kernel
+    makes its own draws (a seed, in a random mode)."""
+    if seed is not None:
+        if uniforms is not None:
+            raise ValueError("give the draws as uniforms or as a seed (and offset), not both")
+        check_seed(seed, offset)
+    return seed is not None and mode != "greedy"
+
+
 def check_tree_values(tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: torch.Tensor,
                       vocab: int) -> None:
     """Raise ValueError unless each link points forward (-1 or a later node: the walk ends) and
@@ -241,11 +251,7 @@ def tree_verify(tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: t
     `uniforms` (B, N), or `seed` (and `offset`): u[b, x] = Philox(seed, offset + b N + x) made in
     the kernel (`draws.py`). `validate` reads the tree back once to refuse backward links and
     tokens outside the vocabulary."""
-    seeded = seed is not None and mode != "greedy"
-    if seed is not None:
-        if uniforms is not None:
-            raise ValueError("give the draws as uniforms or as a seed (and offset), not both")
-        check_seed(seed, offset)
+    seeded = check_tree_draws(uniforms, seed, offset, mode)
     check_tree_inputs(tokens, first_child, next_sibling, target_probs, draft_probs, uniforms, mode, seeded)
     batch, nodes, vocab = target_probs.shape
     if validate:

@@ -50,6 +50,7 @@ import torch
 
 from kforge import ops
 from kforge.errors import ModelError
+from kforge.models.deepseek.generate import greedy_accept
 from kforge.models.deepseek.model import DeepSeekV3
 from kforge.models.sampling import SamplingParams, make_generator, sample
 from kforge.models.scheduler import Request, Scheduler, Work
@@ -215,10 +216,7 @@ class DeepSeekEngine:
         greedy = [b for b, r in enumerate(requests) if r.params.greedy]
         if greedy:
             for b, best in zip(greedy, target_logits[greedy].argmax(-1).tolist()):
-                accepted = 0
-                while accepted < len(drafts[b]) and drafts[b][accepted] == best[accepted]:
-                    accepted += 1
-                kept[b] = drafts[b][:accepted] + [best[accepted]]
+                kept[b] = greedy_accept(drafts[b], best)
         sampled = [b for b, r in enumerate(requests) if not r.params.greedy]
         if sampled:
             temperature = torch.tensor([requests[b].params.temperature for b in sampled], device=self.device)[:, None,

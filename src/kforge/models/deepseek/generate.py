@@ -170,16 +170,21 @@ def verify(drafts: list[int], draft_logits: torch.Tensor, target_logits: torch.T
     """The accepted drafts and one more token: greedy at temperature 0, else speculative sampling.
     draft_logits (K, vocab), the draft's when it picked each draft; target_logits (K + 1, vocab)."""
     if temperature == 0:
-        best = target_logits.argmax(-1).tolist()
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == best[accepted]:
-            accepted += 1
-        return drafts[:accepted] + [best[accepted]]
+        return greedy_accept(drafts, target_logits.argmax(-1).tolist())
     q = torch.softmax(draft_logits.float() / temperature, dim=-1)
     p = torch.softmax(target_logits.float() / temperature, dim=-1)
     ids = torch.tensor([drafts], device=q.device)
     out, _, emitted = ops.chain_speculative_sampling(q[None], ids, p[None], generator=generator, validate=False)
     return out[0, :int(emitted[0]) + 1].tolist()
+
+
+def greedy_accept(drafts: list[int], best: list[int]) -> list[int]:
+    """Greedy verification: the drafts while each equals the target's argmax before it (`best`,
+    K + 1 of them), then the argmax after the last one accepted."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == best[accepted]:
+        accepted += 1
+    return drafts[:accepted] + [best[accepted]]
 
 
 def _finished(generated: list[int], params: SamplingParams) -> bool:
