@@ -29,9 +29,10 @@
 #   dsa   (scripts/dsa_sweep.py: DSA against dense MLA decode by context length, the crossover; the FP8 latent cache;
 #          DSA prefill (indexer, top-k, sparse MLA) against a dense causal prefill at 4k-32k prompts)
 #   abstraction   (the abstraction ladder's GPU tests, then kforge ladder abstraction for the GEMM and the softmax)
-#   tune   (kforge tune gemm: this GPU's GEMM dispatch table, 28 shapes x 6 kernels against cuBLAS)
+#   tune   (kforge tune gemm: this GPU's GEMM dispatch table, 28 shapes x 6 kernels against cuBLAS; TUNE_ARGS
+#           adds options, e.g. "--time-budget 0.5 --shapes '4096,4096,4096'")
 #   attention-backward   (the FlashAttention backward's and the FP8 forward's GPU tests, then kforge bench attention
-#                         --backward on ATTENTION_BACKWARD_SHAPES: ours, deterministic, SDPA flash and cuDNN)
+#                         --backward on ATTENTION_BACKWARD_SHAPES: ours, ours with atomic dQ, SDPA flash and cuDNN)
 #   bench-mla   (kforge bench mla: FlashMLA's shapes against the eager and compiled compositions; MLA_SHAPES)
 #   bench-moe   (kforge bench moe: the grouped GEMMs in bf16 and FP8 against torch._grouped_mm and per-expert loops,
 #                DeepSeek-V3's MoE layer against a _grouped_mm composition, split by stage; MOE_SHAPES picks groups
@@ -212,7 +213,7 @@ if [[ $parts == *" attention-backward "* ]]; then
     --results "$out/bench-attention-backward.jsonl" 2>&1 | tee "$out/bench-attention-backward.txt"
 fi
 if [[ $parts == *" tune "* ]]; then  # the GEMM dispatch table of this GPU: 28 shapes x 6 kernels against cuBLAS
-  python3 -m kforge tune gemm --results "$out/tune-gemm.jsonl" --out "$out/dispatch-gemm-bf16.json" 2>&1 \
+  python3 -m kforge tune gemm ${TUNE_ARGS:-} --results "$out/tune-gemm.jsonl" --out "$out/dispatch-gemm-bf16.json" 2>&1 \
     | tail -35 | tee "$out/tune-gemm.txt"
 fi
 if [[ $parts == *" deepseek "* ]]; then

@@ -77,8 +77,9 @@ def test_the_op_reads_the_users_table_and_keeps_the_rules_elsewhere(tmp_path):
     assert tune.choose(4096, 4096, 4096, "kn", H100, 132) == (6, {})
     assert tune.choose(1024, 1024, 1024, "kn", H100, 132) is None, "cuBLAS measured faster: the op calls it"
     assert tune.choose(8192, 8192, 8192, "kn", H100, 132) == best_kernel(8192, 8192, 8192, 132)
-    assert tune.choose(4096, 4096, 4096, "kn", "NVIDIA H200", 132) == best_kernel(4096, 4096, 4096, 132), \
+    assert tune.choose(4096, 4096, 4096, "kn", "NVIDIA A100-SXM4-80GB", 108) == best_kernel(4096, 4096, 4096, 108), \
         "a GPU without a table gets the rules"
+    assert tune.choose(4096, 4096, 4096, "kn", "NVIDIA H200", 132) is None, "the shipped H200 table: cuBLAS there"
     assert tune.load_table(H100).to_dict() == table.to_dict(), "what was saved reads back"
 
 
@@ -124,3 +125,22 @@ def test_the_command_builds_the_table_from_records_on_any_machine(tmp_path):
     mixed = subprocess.run([sys.executable, "-m", "kforge", "tune", "gemm", "--from-records", str(store)],
                            capture_output=True, text=True, timeout=300)
     assert mixed.returncode == 2 and mixed.stderr.startswith("error: --from-records: records of 2 devices")
+
+
+def test_the_shipped_tables_read_back_and_agree_with_their_records():
+    """Each table in the package parses, names only real candidates, and is what
+    `table_from_records` makes of the records kept beside the benchmarks."""
+    from pathlib import Path
+
+    from kforge.harness.record import read_records
+
+    shipped = sorted(tune.SHIPPED.glob(f"{tune.FAMILY}-*.json"))
+    assert shipped, "no GEMM dispatch table ships with the package"
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    for path in shipped:
+        table = tune.GemmTable.from_dict(json.loads(path.read_text()), str(path))
+        assert table.entries and all(e.choice == tune.CUBLAS or e.kernel is not None for e in table.entries)
+        records = read_records(results / path.stem.removeprefix(f"{tune.FAMILY}-") / "tune-gemm.jsonl")
+        rebuilt = tune.table_from_records(records, table.device)
+        assert [(e.m, e.n, e.k, e.b_layout, e.choice) for e in rebuilt.entries] == \
+            [(e.m, e.n, e.k, e.b_layout, e.choice) for e in table.entries]
