@@ -358,8 +358,8 @@ def attention_backward_view(lines, *, title: str, results_path: str | None) -> G
     note = ("bwd: the backward alone, replaying the method's own forward graph; step: forward + backward; median "
             "device time, L2 flushed. TFLOP/s count the backward as 2.5x the forward's 4*B*H*N^2*D (5 matmuls to "
             "2) and the step as 3.5x, half of each causal. grads vs flash: the largest relative (Frobenius) "
-            "distance of dQ, dK, dV from SDPA flash's. ours: dQ added with fp32 atomics; ours-deterministic: dQ "
-            "by its own kernel, bit-identical run to run.")
+            "distance of dQ, dK, dV from SDPA flash's. ours: dQ by its own kernel, bit-identical run to run; "
+            "ours-atomic-dq: dQ added with fp32 atomics.")
     parts = [table, Text(note, style="dim")]
     parts += [Text(f"{line.shape} {line.method}: {line.status}: {line.reason}", style="red")
               for line in lines if line.reason]

@@ -50,10 +50,11 @@ def _float64_gradients(q, k, v, d_out, d_lse, causal, scale=None):
 
 
 def _ours(q, k, v, d_out, d_lse, causal, scale=None, config=SMALL, deterministic=False):
-    """Our forward, then our backward, on one config (None: the autotuners, on a GPU)."""
+    """Our forward, then our backward, on one config (None: the autotuners, on a GPU); dQ by its
+    own kernel (`deterministic`) or by atomics."""
     out, lse = flash_attention_forward(q, k, v, causal=causal, scale=scale, config=config)
     return flash_attention_backward(d_out, q, k, v, out, lse, causal=causal, scale=scale, grad_lse=d_lse,
-                                    deterministic=deterministic, config=config)
+                                    atomic_dq=not deterministic, config=config)
 
 
 def _relative_errors(mine, truth):  # (an all-zero truth, e.g. dV with dO = 0, wants exact zeros)
@@ -117,7 +118,7 @@ def test_head_dim_256_takes_the_dq_kernel_and_matches_float64(monkeypatch):
     real = flash_backward.flash_backward_dq_kernel
     monkeypatch.setattr(flash_backward, "flash_backward_dq_kernel", _Spy(real, launched))
     q, k, v, d_out, d_lse = _inputs((1, 2, 1, 20, 33, 256), torch.float32, seed=4)
-    mine = _ours(q, k, v, d_out, d_lse, True)  # deterministic=False: still the dQ kernel at hd 256
+    mine = _ours(q, k, v, d_out, d_lse, True)  # atomic dQ asked for: still the dQ kernel at hd 256
     _assert_close(mine, _float64_gradients(q, k, v, d_out, d_lse, True), TOLERANCE[torch.float32])
     assert launched == [True]
 
@@ -171,7 +172,7 @@ def test_poisoned_outputs_are_all_written(deterministic, nan_outputs):
     q, k, v, d_out, d_lse = _inputs((1, 4, 2, 21, 70, 16), torch.float32, seed=8)
     out, lse = flash_attention_forward(q, k, v, causal=True, config=SMALL)
     mine = flash_attention_backward(d_out, q, k, v, out, lse, causal=True, grad_lse=d_lse,
-                                    deterministic=deterministic, config=SMALL)
+                                    atomic_dq=not deterministic, config=SMALL)
     assert torch.isnan(torch.empty(3)).all()  # the fixture is on
     _assert_close(mine, _float64_gradients(q, k, v, d_out, d_lse, True), 1e-5)
     assert mine[1][:, :, 21:].abs().max() == 0 and mine[2][:, :, 21:].abs().max() == 0
@@ -238,12 +239,12 @@ def test_flop_count_is_two_and_a_half_forwards_and_tables_cover_every_head_dim()
 
 @pytest.fixture
 def backward_calls(monkeypatch):
-    """The `deterministic` value of each call the op makes to our backward kernels."""
+    """The `atomic_dq` value of each call the op makes to our backward kernels."""
     calls = []
     real = flash_backward.flash_attention_backward
 
     def backward(*args, **kwargs):
-        calls.append(kwargs["deterministic"])
+        calls.append(kwargs["atomic_dq"])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(flash_backward, "flash_attention_backward", backward)
@@ -279,17 +280,17 @@ def test_op_gradients_on_the_kernels_match_float64(causal, kernels_on_cpu):
     assert kernels_on_cpu == [False, False]
 
 
-def test_op_deterministic_flag_and_torch_switch_reach_the_kernels(kernels_on_cpu):
+def test_op_atomic_dq_flag_reaches_the_kernels_unless_torch_asks_for_determinism(kernels_on_cpu):
     q, k, v, _, _ = _inputs((1, 2, 1, 20, 20, 16), torch.float32, seed=11)
     leaves = [t.requires_grad_() for t in (q, k, v)]
-    torch.autograd.grad(flash_attention(*leaves, deterministic=True).sum(), leaves)
+    torch.autograd.grad(flash_attention(*leaves, atomic_dq=True).sum(), leaves)
     torch.use_deterministic_algorithms(True)
     try:
-        torch.autograd.grad(flash_attention(*leaves).sum(), leaves)
+        torch.autograd.grad(flash_attention(*leaves, atomic_dq=True).sum(), leaves)
     finally:
         torch.use_deterministic_algorithms(False)
     torch.autograd.grad(flash_attention(*leaves).sum(), leaves)
-    assert kernels_on_cpu == [True, True, False]
+    assert kernels_on_cpu == [True, False, False]
 
 
 def test_op_fallback_passes_gradcheck_and_the_backward_op_passes_opcheck():
@@ -323,7 +324,7 @@ def test_op_training_step_compiles_into_one_graph(kernels_on_cpu):
 # --- the benchmark: kforge bench attention --backward ---------------------------------------------
 
 def _backward_record(shape="full N=4096 D=128", causal=0, ms=None, status="ok"):
-    ms = ms or {"sdpa-flash": (4.0, 5.6), "ours": (2.5, 3.5), "ours-deterministic": (3.0, 4.0)}
+    ms = ms or {"sdpa-flash": (4.0, 5.6), "ours": (2.5, 3.5), "ours-atomic-dq": (3.0, 4.0)}
     methods = {m: {"status": "ok", "differs_from_flash": None if m == "sdpa-flash" else 4e-3,
                    "backward": {"device_ms": b, "ms": b}, "train": {"device_ms": t, "ms": t}}
                for m, (b, t) in ms.items()}
@@ -350,7 +351,7 @@ def test_backward_lines_rates_and_ratios_against_sdpa_flash(tmp_path):
     records[-1]["reason"] = "RuntimeError: out of memory"
     lines = backward_lines(records)
     assert [(line.shape, line.method) for line in lines] == [
-        ("full N=4096 D=128", "sdpa-flash"), ("full N=4096 D=128", "ours"), ("full N=4096 D=128", "ours-deterministic"),
+        ("full N=4096 D=128", "sdpa-flash"), ("full N=4096 D=128", "ours"), ("full N=4096 D=128", "ours-atomic-dq"),
         ("full N=4096 D=128", "sdpa-cudnn"), ("causal N=4096 D=128", "-")]  # the latest record of each shape
     ours = lines[1]
     assert ours.tflops == pytest.approx({"backward": 1000, "train": 1000})
@@ -400,10 +401,10 @@ def test_backward_bench_times_each_method_on_a_cpu(cpu, fast_timing, kernels_on_
     from kforge.bench.attention import AttentionShape, time_backward
 
     figures = time_backward(AttentionShape(1, 2, 40, 16, True), cpu, fast_timing,
-                            methods=("ours", "ours-deterministic", "sdpa-flash"))
+                            methods=("ours", "ours-atomic-dq", "sdpa-flash"))
     methods = figures["methods"]
     assert {m: methods[m]["status"] for m in methods} == dict.fromkeys(methods, "ok")
-    assert all(methods[m]["differs_from_flash"] < 2e-2 for m in ("ours", "ours-deterministic"))
+    assert all(methods[m]["differs_from_flash"] < 2e-2 for m in ("ours", "ours-atomic-dq"))
     assert all(methods[m][p]["ms"] > 0 for m in methods for p in ("backward", "train"))
     assert figures["flops"] == {"backward": 10 * 2 * 40 * 40 * 16 // 2, "train": 14 * 2 * 40 * 40 * 16 // 2}
     assert set(kernels_on_cpu) == {False, True}
@@ -490,7 +491,7 @@ def test_gpu_target_shape_matches_float64_like_sdpa_flash(causal, nan_outputs):
     theirs = max(_relative_errors(_sdpa_flash_gradients(q, k, v, d_out, causal), truth))
     out, lse = flash_attention_forward(q, k, v, causal=causal)
     for deterministic in (False, True):
-        mine = flash_attention_backward(d_out, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+        mine = flash_attention_backward(d_out, q, k, v, out, lse, causal=causal, atomic_dq=not deterministic)
         errors = _relative_errors(mine, truth)
         assert max(errors) < max(2 * theirs, 1e-2), (deterministic, errors, theirs)
 
@@ -509,10 +510,10 @@ def test_gpu_odd_shapes_match_float64(head_dim, causal, dtype, nan_outputs):
 
 
 @pytest.mark.gpu
-def test_gpu_deterministic_mode_repeats_bit_for_bit():
+def test_gpu_default_dq_kernel_repeats_bit_for_bit():
     q, k, v, d_out, _ = _inputs((4, 16, 4, 4096, 4096, 128), torch.bfloat16, "cuda", seed=1)
     out, lse = flash_attention_forward(q, k, v, causal=True)
-    runs = [flash_attention_backward(d_out, q, k, v, out, lse, causal=True, deterministic=True) for _ in range(3)]
+    runs = [flash_attention_backward(d_out, q, k, v, out, lse, causal=True) for _ in range(3)]
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
 
 

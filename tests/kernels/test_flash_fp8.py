@@ -130,19 +130,22 @@ def test_both_products_compile_to_fp8_wgmma_for_the_h100_without_spills():
         return f"tensordesc<{dtype}[{', '.join(map(str, block))}]>"
 
     found = {}
+    block_m, block_n = flash_fp8.GPU_BLOCKS
     for dim in (64, 128):
         for pv_fp8 in (True, False):
-            types = {"q_desc": descriptor("fp8e4nv", [1, 1, 128, dim]), "k_desc": descriptor("fp8e4nv", [1, 1, 128, dim]),
-                     "v_desc": descriptor("fp8e4nv", [1, 1, dim, 128]) if pv_fp8 else
-                     descriptor("bf16", [1, 1, 128, dim]),
-                     "o_desc": descriptor("bf16", [1, 1, 128, dim]), "q_scale_ptr": "*fp32", "k_scale_ptr": "*fp32",
+            types = {"q_desc": descriptor("fp8e4nv", [1, 1, block_m, dim]),
+                     "k_desc": descriptor("fp8e4nv", [1, 1, block_n, dim]),
+                     "v_desc": descriptor("fp8e4nv", [1, 1, dim, block_n]) if pv_fp8 else
+                     descriptor("bf16", [1, 1, block_n, dim]),
+                     "o_desc": descriptor("bf16", [1, 1, block_m, dim]), "q_scale_ptr": "*fp32", "k_scale_ptr": "*fp32",
                      "v_scale_ptr": "*fp32", "lse_ptr": "*fp32",
                      **{n: "i32" for n in ("n_q", "n_k", "heads", "kv_group")},
                      "qk_scale": "fp32"}
             label = f"d{dim} {'P V fp8' if pv_fp8 else 'P V bf16'}"
             found.update(compile_sm90([spec(label, "kforge.kernels.attention.flash_fp8", "flash_fp8_kernel", types,
-                                            {"HEAD_DIM": dim, "BLOCK_M": 128, "BLOCK_N": 128, "CAUSAL": False,
-                                             "PV_FP8": pv_fp8}, num_warps=8, num_stages=3)]))
+                                            {"HEAD_DIM": dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": False,
+                                             "PV_FP8": pv_fp8}, num_warps=flash_fp8.GPU_WARPS,
+                                            num_stages=flash_fp8.GPU_STAGES)]))
     for label, used in found.items():
         assert used["spills"] == 0 and used["local"] == 0, (label, used)
         assert used["qgmma"] > 0 and used["tma"] > 0, (label, used)

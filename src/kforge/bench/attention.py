@@ -7,7 +7,7 @@ fills the GPU (B x H = 128 at N = 4096, D = 128). Naive attention is timed up to
 largest shape whose N x N scores fit comfortably (two bf16 buffers of B*H*N^2).
 
 `kforge bench attention --backward` times, on the same shapes, the backward pass alone and
-a training step (forward + backward) of ours (atomic dQ, and deterministic), SDPA flash and
+a training step (forward + backward) of ours (dQ by its own kernel, and by atomics), SDPA flash and
 SDPA cuDNN (`run_attention_backward`). Those run in process on the harness's timing engine,
 not through `evaluate()`: a problem's Model is one call on fresh inputs, and a backward needs
 the forward's graph kept from call to call. Each input set holds each method's own forward
@@ -35,7 +35,7 @@ TOKENS, MODEL_WIDTH = 32768, 2048
 PUBLISHED = {"FlashAttention-3 paper": (640, 580)}
 NAIVE_MAX_SCORES = 2**32  # B*H*N^2 entries: 8.6 GB a bf16 buffer (N = 8192 at D = 128)
 BACKWARD_RECORD = "attention-backward"  # the "bench" field of a backward record
-BACKWARD_METHODS = ("ours", "ours-deterministic", BASELINE, "sdpa-cudnn")
+BACKWARD_METHODS = ("ours", "ours-atomic-dq", BASELINE, "sdpa-cudnn")
 PASSES = ("backward", "train")  # the backward alone; a training step, forward + backward
 # Two bf16 backward passes each ~3e-3 (relative, Frobenius) from float64 (tests/kernels/
 # test_flash_backward.py): farther apart than this from SDPA flash's gradients is a mismatch.
@@ -204,8 +204,8 @@ def forward_with_graph(method: str, causal: bool) -> Callable:
     if method.startswith("ours"):
         from kforge.ops import flash_attention
 
-        deterministic = method == "ours-deterministic"
-        return lambda q, k, v: flash_attention(q, k, v, causal=causal, deterministic=deterministic)
+        atomic_dq = method == "ours-atomic-dq"
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, atomic_dq=atomic_dq)
     return SdpaBackend({BASELINE: "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}[method], causal)
 
 

@@ -13,8 +13,9 @@ README ("FlashAttention") and `kforge bench attention`.
 Two `torch.library` custom ops: the forward returns (out, lse) and the backward
 (`kforge::flash_attention_backward`) takes the saved out and lse, so torch.compile sees one
 opaque node each way. The backward runs `kernels/attention/flash_backward.py` (dQ, dK, dV
-recomputing the probabilities from the log-sum-exp, O(N) memory); `deterministic=True`, or
-`torch.use_deterministic_algorithms(True)`, makes its dQ bit-identical run to run. Both
+recomputing the probabilities from the log-sum-exp, O(N) memory), its dQ bit-identical run
+to run; `atomic_dq=True` adds dQ with fp32 atomics instead (slower where measured; not under
+`torch.use_deterministic_algorithms(True)`). Both
 kernels run for fp16/bf16/fp32 CUDA tensors on Hopper with head_dim in 16..256 and
 TMA-friendly strides (`ours_can_run`); for anything else the forward runs naive attention
 and the backward recomputes the N x N probabilities in PyTorch, exact but O(N^2) memory.
@@ -56,7 +57,7 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 @torch.library.custom_op("kforge::flash_attention", mutates_args=())
 def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
-                     deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     atomic_dq: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     _check_shapes(q, k, v)
     if ours_can_run(q, k, v, scale):
         from kforge.kernels.attention.flash_forward import flash_attention_forward
@@ -67,15 +68,15 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 
 
 @_flash_attention.register_fake
-def _(q, k, v, causal, scale, deterministic=False):
+def _(q, k, v, causal, scale, atomic_dq=False):
     _check_shapes(q, k, v)
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, causal, scale, deterministic = inputs
+    q, k, v, causal, scale, atomic_dq = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
+    ctx.causal, ctx.scale, ctx.atomic_dq = causal, scale, atomic_dq
 
 
 def _recompute_backward(grad_out, grad_lse, q, k, v, out, lse, causal, scale):
@@ -108,7 +109,7 @@ def _recompute_backward(grad_out, grad_lse, q, k, v, out, lse, causal, scale):
 @torch.library.custom_op("kforge::flash_attention_backward", mutates_args=())
 def _flash_attention_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                              scale: float | None, deterministic: bool
+                              scale: float | None, atomic_dq: bool
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv): our Triton backward where the forward ran our kernel, else the recompute."""
     if not ours_can_run(q, k, v, scale):
@@ -119,20 +120,20 @@ def _flash_attention_backward(grad_out: torch.Tensor, grad_lse: torch.Tensor, q:
     # Autograd hands over what the loss made: `out.sum()` gives an expanded (stride 0) grad_out.
     grad_out, out = (t if tma_compatible(t) else t.contiguous() for t in (grad_out, out))
     return flash_attention_backward(grad_out, q, k, v, out, lse.contiguous(), causal=causal, scale=scale,
-                                    grad_lse=grad_lse.float().contiguous(), deterministic=deterministic)
+                                    grad_lse=grad_lse.float().contiguous(), atomic_dq=atomic_dq)
 
 
 @_flash_attention_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, out, lse, causal, scale, deterministic):
+def _(grad_out, grad_lse, q, k, v, out, lse, causal, scale, atomic_dq):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor):
     """Autograd materialises both gradients (zeros for an output the loss did not use)."""
     q, k, v, out, lse = ctx.saved_tensors
-    deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
+    atomic_dq = ctx.atomic_dq and not torch.are_deterministic_algorithms_enabled()
     d_q, d_k, d_v = _flash_attention_backward(grad_out, grad_lse, q, k, v, out, lse, ctx.causal, ctx.scale,
-                                              deterministic)
+                                              atomic_dq)
     return d_q, d_k, d_v, None, None, None
 
 
@@ -140,10 +141,10 @@ _flash_attention.register_autograd(_backward, setup_context=_setup)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                    scale: float | None = None, return_lse: bool = False, deterministic: bool = False):
+                    scale: float | None = None, return_lse: bool = False, atomic_dq: bool = False):
     """softmax(q k^T * scale) v, per head; with `return_lse`, also the fp32 log-sum-exp of
-    each query row (batch, heads, seq_q). `deterministic` makes the backward's dq
-    bit-identical run to run (its own kernel instead of fp32 atomics; also on under
+    each query row (batch, heads, seq_q). The backward's dq is bit-identical run to run;
+    `atomic_dq` adds it with fp32 atomics instead (ignored under
     `torch.use_deterministic_algorithms(True)`)."""
-    out, lse = _flash_attention(q, k, v, bool(causal), None if scale is None else float(scale), bool(deterministic))
+    out, lse = _flash_attention(q, k, v, bool(causal), None if scale is None else float(scale), bool(atomic_dq))
     return (out, lse) if return_lse else out

@@ -23,20 +23,19 @@ Three kernels:
    log2(e) - L_i * log2(e)), then dV_j += P^T dO_i, dP^T = V_j dO_i^T,
    dS^T = P^T o (dP^T - D_i), dK_j += dS^T Q_i; dK_j is scaled once at the end.
 3. dQ, one of two ways:
-   (a) default: the dK/dV kernel also forms scale * dS_ij K_j, the pair's share of dQ_i,
-       and adds it into an fp32 buffer with atomics (5 matmuls a pair of blocks, the
-       minimum); a cast to the input dtype follows. The order in which programs' adds land
-       changes from run to run, so dQ's last bits do too.
-   (b) `deterministic=True`: the dK/dV kernel skips dQ and `flash_backward_dq_kernel`,
-       one program per (BLOCK_M queries, batch, head), walks the key blocks as the forward
-       does, recomputing S, P and dP, and accumulates dQ_i = scale * sum_j dS_ij K_j in
-       registers in a fixed order: bit-identical runs, for 3 more matmuls a pair (7 in all:
-       1.4x the tensor-core work of (a)). Head dim 256 always takes (b): with the atomic
+   (a) default: the dK/dV kernel skips dQ and `flash_backward_dq_kernel`, one program per
+       (BLOCK_M queries, batch, head), walks the key blocks as the forward does, recomputing
+       S, P and dP, and accumulates dQ_i = scale * sum_j dS_ij K_j in registers in a fixed
+       order: bit-identical runs, for 7 matmuls a pair of blocks.
+   (b) `atomic_dq=True`: the dK/dV kernel also forms scale * dS_ij K_j, the pair's share of
+       dQ_i, and adds it into an fp32 buffer with atomics (5 matmuls a pair, the minimum); a
+       cast to the input dtype follows. The order in which programs' adds land changes from
+       run to run, so dQ's last bits do too. Head dim 256 always takes (a): with the atomic
        product no tile fits the registers (see the configs).
-   Which is faster on the H100 is a measurement: (a) does the fewest FLOPs but sends
-   Nk/BLOCK_N times dQ's fp32 size through L2 atomics (8.6 GB at the target shape below with
-   64-key blocks), (b) trades that for two more matmuls. `kforge bench attention --backward`
-   times both.
+   (b) does the fewest FLOPs but sends Nk/BLOCK_N times dQ's fp32 size through L2 atomics
+   (8.6 GB at the target shape below with 64-key blocks). Measured on an H200 (2026-11-28,
+   B 8, H 16, N 4096, hd 128, `kforge bench attention --backward`): (a) 372 TFLOP/s full and
+   340 causal, (b) 227 and 224: the atomics cost more than two matmuls, so (a) is the default.
 
 Choices, each for the H100:
 - The dK/dV loop works on the transposed tiles (S^T, P^T, dS^T: keys by queries), so
@@ -350,15 +349,16 @@ def _empty_in_layout_of(t: torch.Tensor) -> torch.Tensor:
 def flash_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, *, causal: bool = False,
                              scale: float | None = None, grad_lse: torch.Tensor | None = None,
-                             deterministic: bool = False, config: dict | None = None
+                             atomic_dq: bool = False, config: dict | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) of attention for the forward's inputs q (B, H, Nq, d), k and v (B, Hkv, Nk, d),
     its output `out` and fp32 log-sum-exp `lse` (B, H, Nq), given grad_out = dLoss/dout and,
     optionally, grad_lse = dLoss/dlse. Same causal and scale as the forward's call.
 
     Each gradient has its input's dtype, and its layout where TMA can take that layout.
-    `deterministic` computes dQ in its own kernel, in a fixed order (bit-identical runs,
-    ~1.4x the tensor-core work); the default adds dQ with fp32 atomics. `config` (BLOCK_M,
+    dQ comes from its own kernel, in a fixed order (bit-identical runs); `atomic_dq` adds it
+    with fp32 atomics in the dK/dV kernel instead (fewer FLOPs, slower where measured, last
+    bits vary run to run; head dim 256 ignores it). `config` (BLOCK_M,
     BLOCK_N, num_warps, num_stages) skips the autotuners and serves both main kernels: the
     CPU tests run one small config under the Triton interpreter.
     """
@@ -380,7 +380,7 @@ def flash_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
         TensorDescriptor.from_tensor(out, [1, 1, rows, dim]), TensorDescriptor.from_tensor(grad_out, [1, 1, rows, dim]),
         grad_lse, delta, n_q, heads, HEAD_DIM=dim, BLOCK_M=rows, HAS_GRAD_LSE=grad_lse is not None, num_warps=4)
 
-    separate_dq = deterministic or not atomic_dq_fits(dim)
+    separate_dq = not (atomic_dq and atomic_dq_fits(dim))
     common = dict(n_q=n_q, n_k=n_k, heads=heads, kv_group=heads // kv_heads, scale=scale, HEAD_DIM=dim,
                   CAUSAL=bool(causal), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     dq_accum = None if separate_dq else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
