@@ -307,7 +307,7 @@ def test_gpu_v32_shapes_fp8_indexer_then_sparse_attention():
     hidden = expected == float("-inf")
     assert torch.equal(scores == float("-inf"), hidden)
     error = (scores[~hidden].double() - expected[~hidden]).abs().max() / expected[~hidden].abs().max()
-    assert error < 1e-5, float(error)  # fp8 products are exact in fp32; the sums reorder
+    assert error < sparse_module.FP8_INDEX_ERROR, float(error)
     indices = select_topk(scores, 2048)
     cache, _, _ = _pool(lengths, D, torch.bfloat16, seed=0)
     q = (2 * torch.randn(4, 1, 128, D, device="cuda")).bfloat16()

@@ -51,6 +51,11 @@ from kforge.kernels.mla.decode import (H100_SMS, LOG2E, MAX_COMBINE_BLOCK, PAGE_
                                        check_mla_table_values, mla_decode_combine_kernel, plan_mla_decode)
 
 INDEX_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32)
+# How far the FP8 indexer's scores may sit from float64, relative to the largest: each FP8 q.k
+# product is exact in fp32, but Hopper's FP8 wgmma keeps only about 14 bits of its running sum
+# (the DeepSeek-V3 report, section 3.3.2). Measured on an H200 (2026-11-28): 1e-4 to 2e-4.
+# Under the interpreter the sums are exact fp32 (error below 1e-6).
+FP8_INDEX_ERROR = 1e-3
 
 
 @triton.jit
