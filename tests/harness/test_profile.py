@@ -82,6 +82,8 @@ def test_the_commands_profile_only_the_range_with_the_clocks_left_alone(tmp_path
     assert profile[:3] == ["ncu", "--clock-control", "none"]
     assert profile[profile.index("--nvtx-include") + 1] == "kforge_profile/"
     assert [profile[i + 1] for i, a in enumerate(profile) if a == "--section"] == list(profile_module.SECTIONS)
+    asked = profile[profile.index("--metrics") + 1].split(",")
+    assert set(profile_module.DRAM_BYTES) | {profile_module.SM_PCT} <= set(asked)
     worker = profile.index("kforge.harness.profile_worker")
     assert profile[worker - 2:worker] == [sys.executable, "-m"] and profile[-4:] == ["--size", "tiny", "--seed", "3"]
     assert export == ["ncu", "--import", f"{tmp_path / 'r'}.ncu-rep", "--page", "raw", "--csv", "--print-units",
@@ -172,5 +174,5 @@ def test_nsight_compute_profiles_one_real_call(write):
     found = profile_candidate(FIXTURES / "problems" / "add.py", candidate, gpu=0)
     assert isinstance(found, ProfileSummary), found
     assert found.total_ms > 0 and all(k.duration_ms for k in found.kernels)
-    assert any(k.dram_bytes for k in found.kernels) and any(k.sm_pct is not None for k in found.kernels)
+    assert any(k.dram_bytes for k in found.kernels) and any(k.sm_pct is not None for k in found.kernels), found
     print("\n".join(profile_lines(found)))

@@ -138,6 +138,9 @@ def ncu_commands(ncu: str, report: Path, problem: Path, candidate: Path, *, size
                  ) -> tuple[list[str], list[str]]:
     """The profiling run and the export of its report."""
     sections = [arg for name in SECTIONS for arg in ("--section", name)]
+    # the sections alone left the DRAM byte counts out of the raw page on an H200 (2026-11-28):
+    # ask for the parsed columns by name as well
+    sections += ["--metrics", ",".join((DURATION, *DRAM_BYTES, DRAM_PCT, SM_PCT))]
     profile = [ncu, "--clock-control", "none", "--target-processes", "all", "--nvtx", "--nvtx-include", f"{RANGE}/",
                *sections, "--export", str(report), "--force-overwrite",
                sys.executable, "-m", "kforge.harness.profile_worker", str(problem), str(candidate),
