@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from kforge.kernels.attention import flash_fp8
 from kforge.kernels.attention.flash_fp8 import FP8_MAX, flash_attention_fp8, quantization_error, quantize_qkv
@@ -67,6 +68,54 @@ def test_quantization_smooths_k_and_fits_every_block_in_e4m3():
     assert (fp8.q.float().abs().amax(-1) == FP8_MAX).all(), "each row's largest value is e4m3's largest"
     errors = quantization_error(q, k, v)
     assert max(errors.values()) < 0.035, errors  # e4m3 keeps 3 mantissa bits: ~2.6% RMS a value
+
+
+def _exactly_representable(shape, seed, scale):
+    """Values whose quotient by their row's (or, transposed, channel's) scale is an e4m3 number:
+    the casts are exact, so the interpreter's faulty rounding (quantize_qkv) does not enter."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(56, 127, shape, generator=g, dtype=torch.uint8)  # e4m3 patterns of 1 to 448: sums exact
+    values = codes.view(torch.float8_e4m3fn).float() * torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
+    values[..., 0] = FP8_MAX  # each row's amax is 448: its scale is exactly `scale`
+    return values * scale
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_the_quantization_kernels_equal_the_pytorch_definition(group):
+    """quantize_rows_kernel and quantize_v_transposed_kernel under the interpreter, against
+    quantize_qkv_reference: odd lengths, GQA, a strided q (as from a (B, N, H, d) tensor)."""
+    b, hkv, n, d = 2, 2, 37, 64
+    q = _exactly_representable((b, n, hkv * group, d), 1, 0.25).transpose(1, 2).half()  # strided, not contiguous
+    half = _exactly_representable((b, hkv, n // 2, d), 2, 0.5)
+    k = torch.cat([half, -half, torch.zeros(b, hkv, 1, d)], 2).half()  # each key mirrored: channel means exactly 0
+    v = _exactly_representable((b, hkv, d, n), 3, 2.0).transpose(2, 3).contiguous().half()  # channel amax 448 x 2
+    expected = flash_fp8.quantize_qkv_reference(q, k, v)
+    assert not q.is_contiguous() and float(expected.k_mean.abs().max()) == 0
+    k_mean = expected.k_mean.contiguous()
+    k8, k_scale, _ = flash_fp8._quantize_rows(k, k_mean, 1, subtract=True, dot=False)
+    means = torch.randn(b, hkv, d, generator=torch.Generator().manual_seed(4))  # a different mean per KV head
+    q8, q_scale, q_shift = flash_fp8._quantize_rows(q, means, group, subtract=False, dot=True)
+    assert torch.equal(k8.view(torch.uint8), expected.k.view(torch.uint8)) and torch.equal(k_scale, expected.k_scale)
+    assert torch.equal(q8.view(torch.uint8), expected.q.view(torch.uint8)) and torch.equal(q_scale, expected.q_scale)
+    shift = torch.einsum("bhnd,bhd->bhn", q.double(), means.double().repeat_interleave(group, 1))
+    assert torch.allclose(q_shift.double(), shift, rtol=1e-6, atol=1e-4), "the row's dot with its KV head's means"
+    padded = n + -n % 16
+    v_t = torch.full((b, hkv, d, padded), float("nan")).to(torch.float8_e4m3fn)
+    flash_fp8.quantize_v_transposed_kernel[(triton.cdiv(padded, 16), b * hkv)](
+        v, expected.v_scale.contiguous(), v_t, n, padded, hkv, v.stride(0), v.stride(1), v.stride(2), HEAD_DIM=d,
+        BLOCK_N=16)
+    assert torch.equal(v_t.view(torch.uint8), expected.v_t.view(torch.uint8)), "V transposed, its padding zero"
+
+
+@pytest.mark.gpu
+def test_gpu_quantization_kernels_equal_the_pytorch_definition_bit_for_bit():
+    """On the GPU the casts round to nearest even as PyTorch's do: every byte and scale agrees."""
+    q, k, v = _inputs((2, 8, 2, 1000, 1000, 128), dtype=torch.bfloat16, device="cuda")
+    got, expected = quantize_qkv(q, k, v), flash_fp8.quantize_qkv_reference(q, k, v)
+    for name in ("q", "k", "v_t"):
+        assert torch.equal(getattr(got, name).view(torch.uint8), getattr(expected, name).view(torch.uint8)), name
+    for name in ("q_scale", "k_scale", "v_scale", "k_mean", "q_shift"):
+        assert torch.allclose(getattr(got, name), getattr(expected, name), rtol=1e-5, atol=1e-5), name
 
 
 def test_smoothing_k_shrinks_the_error_of_the_scores_the_softmax_sees():
