@@ -41,6 +41,7 @@ timings say where the time goes, not how fast a GPU would be.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -199,8 +200,11 @@ def _now(device: torch.device) -> float:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kforge.models.deepseek",
-                                     description="plain vs speculative generation with the MTP draft, random weights")
+                                     description="plain vs speculative generation with the MTP draft, on random "
+                                                 "weights or a checkpoint's")
     parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a DeepSeek-V3 checkpoint directory (config.json, *.safetensors) instead of --preset")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -212,7 +216,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="run this many requests through the continuous-batching engine instead of one alone")
     parser.add_argument("--slots", type=int, default=8, help="the engine's slots (with --requests)")
     args = parser.parse_args(argv)
-    model = random_model(preset(args.preset), seed=args.seed, dtype=getattr(torch, args.dtype), device=args.device)
+    try:
+        model = _model(args)
+    except ModelError as exc:
+        parser.exit(2, f"python -m kforge.models.deepseek: {exc}\n")
+    if args.checkpoint:
+        args.preset = args.checkpoint  # the tables' heading names the weights
+        if not model.mtp_from_checkpoint:
+            print("the checkpoint has no MTP block: the drafts come from random weights", file=sys.stderr)
     prompt = torch.randint(0, model.config.vocab_size, (args.prompt_len,),
                            generator=torch.Generator().manual_seed(args.seed)).tolist()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -229,6 +240,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         same = "yes" if run.tokens == plain.tokens else ("no" if params.greedy else "(sampled)")
         print(f"{k:>8} {run.target_steps:>6} {run.acceptance_rate:>9.1%} {run.tokens_per_step:>11.2f} "
               f"{run.tokens_per_second:>9.1f}  {same}")
+
+
+def _model(args: argparse.Namespace) -> DeepSeekV3:
+    dtype = getattr(torch, args.dtype)
+    if args.checkpoint:
+        from kforge.models.deepseek.checkpoint import from_pretrained
+
+        return from_pretrained(args.checkpoint, dtype=dtype, device=args.device)[0]
+    return random_model(preset(args.preset), seed=args.seed, dtype=dtype, device=args.device)
 
 
 def _engine_table(model: DeepSeekV3, args: argparse.Namespace, params: SamplingParams) -> None:
