@@ -5,6 +5,7 @@ speculative generation with the MTP draft against plain generation, and the refu
 On a CPU every kforge op runs its PyTorch reference (MLA decode in float64), so these run the
 model's real code path; the GPU tests at the end run it on the Triton kernels."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -99,7 +100,8 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def test_the_v3_preset_has_deepseek_v3s_published_sizes():
     c = preset("deepseek-v3-shapes")
-    assert c.latent_dim == 576 and c.kv_lora_rank == 512 and c.softmax_scale == 192 ** -0.5
+    assert c.latent_dim == 576 and c.kv_lora_rank == 512
+    assert c.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2), "YaRN's mscale, squared"
     assert abs(c.parameter_count() - 671e9) < 0.001 * 671e9  # the report's 671B
     # with the MTP module (its own copy of the embedding and head, as the checkpoint stores it): 685B
     with_mtp = c.parameter_count() + c.parameter_count(mtp=True) + 2 * c.vocab_size * c.dim

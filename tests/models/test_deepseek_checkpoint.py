@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from kforge.errors import ModelError
-from kforge.models.deepseek.checkpoint import _rope_rows, config_from_hf, from_pretrained
+from kforge.models.deepseek.checkpoint import (
+    _rope_rows,
+    config_from_hf,
+    from_pretrained,
+)
 from kforge.models.deepseek.config import preset
 from kforge.models.deepseek.model import random_model
 
@@ -27,39 +31,46 @@ TINY_HF = {"model_type": "deepseek_v3", "vocab_size": 512, "hidden_size": 128, "
            "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 
 
-@pytest.fixture(scope="module")
-def hf_checkpoint(tmp_path_factory):
+def _hf_checkpoint(directory, **rope):
     """A tiny DeepseekV3ForCausalLM with weights large enough to route tokens apart, saved."""
     transformers = pytest.importorskip("transformers")
     config = transformers.DeepseekV3Config(**{k: v for k, v in TINY_HF.items() if k != "model_type"},
-                                           rope_scaling=None)
+                                           rope_scaling=rope or None)
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.08 * torch.randn_like(p))
-    directory = tmp_path_factory.mktemp("deepseek-hf")
     model.save_pretrained(directory)
-    return directory, model
+    return model
 
 
-def test_a_transformers_checkpoint_gives_transformers_logits_in_prefill_and_decode(hf_checkpoint):
-    directory, theirs = hf_checkpoint
-    ours, tokenizer = from_pretrained(directory, dtype=torch.float32)
+def _error(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+# plain RoPE; DeepSeek-V3's YaRN (mscale = mscale_all_dim = 1: the softmax scale grows) on a 64-token
+# original context; YaRN with mscale alone (cos and sin scaled, not the softmax)
+ROPES = [{}, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+              "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+         {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32}]
+
+
+@pytest.mark.parametrize("rope", ROPES, ids=["plain RoPE", "YaRN as DeepSeek-V3", "YaRN, attention factor"])
+def test_a_transformers_checkpoint_gives_transformers_logits_in_prefill_and_decode(tmp_path, rope):
+    theirs = _hf_checkpoint(tmp_path, **rope)
+    ours, tokenizer = from_pretrained(tmp_path, dtype=torch.float32)
     assert tokenizer is None and not ours.mtp_from_checkpoint, "Hugging Face's class writes no MTP block"
-    tokens = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(1))
+    assert ours.config.yarn == bool(rope)
+    tokens = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = theirs(tokens[None]).logits[0].double()
-    cache = ours.new_cache(1, 16)
+    cache = ours.new_cache(1, 48)
     prefill = ours.logits(ours.prefill(tokens[:-1], cache))[0].double()
     decode = ours.logits(ours.decode(tokens[None, -1:], cache))[0, 0].double()
-
-    def error(a, b):
-        return float((a - b).norm() / b.norm())
-
     assert expected.std() > 0.5, "the logits depend on the weights strongly enough to tell a mapping apart"
-    assert error(prefill, expected[:-1]) < 1e-5 and error(decode, expected[-1]) < 1e-5, \
-        (error(prefill, expected[:-1]), error(decode, expected[-1]))
+    assert _error(prefill, expected[:-1]) < 1e-5 and _error(decode, expected[-1]) < 1e-5, \
+        (_error(prefill, expected[:-1]), _error(decode, expected[-1]))
 
 
 def _release_state(model, *, interleaved: bool) -> dict[str, torch.Tensor]:
@@ -195,8 +206,10 @@ def test_fp8_block_scaled_weights_are_dequantized_as_they_load(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "llama"}, "model_type 'llama' is not DeepSeek-V3"),
-    ({"rope_scaling": {"type": "yarn", "factor": 40}}, "RoPE type 'yarn'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 40, "rope_theta": 10000.0}}, "RoPE type 'yarn'"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 4}}, "RoPE type 'dynamic'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 40, "truncate": False}}, "RoPE type 'yarn'"),
+    ({"rope_scaling": {"type": "yarn", "factor": 40, "attention_factor": 1.2}}, "attention_factor is not modelled"),
+    ({"rope_scaling": {"type": "yarn", "factor": 0.5}}, "YaRN needs rope_factor >= 1"),
     ({"norm_topk_prob": False}, "norm_topk_prob = False"),
     ({"scoring_func": "softmax"}, "scoring_func = 'softmax'"),
     ({"kv_lora_rank": 48}, "kv_lora_rank must be a power of two"),
@@ -237,7 +250,7 @@ def test_the_command_generates_from_a_checkpoint_and_refuses_a_bad_one_in_one_li
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"{tmp_path / 'ckpt'}, float32 on cpu") and lines[-1].split()[-1] == "yes", lines
     (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "config.json").write_text(json.dumps({**TINY_HF, "rope_scaling": {"type": "yarn"}}))
+    (tmp_path / "bad" / "config.json").write_text(json.dumps({**TINY_HF, "rope_scaling": {"type": "dynamic"}}))
     with pytest.raises(SystemExit) as exited:
         main(["--checkpoint", str(tmp_path / "bad"), "--device", "cpu"])
-    assert exited.value.code == 2 and "RoPE type 'yarn'" in capsys.readouterr().err
+    assert exited.value.code == 2 and "RoPE type 'dynamic'" in capsys.readouterr().err

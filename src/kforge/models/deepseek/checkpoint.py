@@ -27,8 +27,10 @@ shards listed by `model.safetensors.index.json`, optionally `tokenizer.json`. Ho
 - FP8 weights (the release's: e4m3 with a `weight_scale_inv` of one fp32 scale a 128 x 128
   block, `quantization_config.weight_block_size`) are dequantized as they load.
 
-Refused with one line: another architecture, YaRN or any RoPE scaling (not modelled, see
-config.py), softmax or unnormalized routing, MoE on every n-th layer only, tied embeddings.
+RoPE: plain or YaRN (config.py), as deepseek-ai's config.json gives it (`rope_scaling`) or as
+transformers 5 writes it (`rope_parameters`). Refused with one line: another architecture,
+another RoPE scaling, softmax or unnormalized routing, MoE on every n-th layer only, tied
+embeddings.
 """
 
 from __future__ import annotations
@@ -51,11 +53,21 @@ def config_from_hf(hf: dict) -> DeepSeekConfig:
     """A DeepSeekConfig from a deepseek_v3 config.json; ModelError naming what kforge does not model."""
     if hf.get("model_type") not in MODEL_TYPES:
         raise ModelError(f"config.json: model_type {hf.get('model_type')!r} is not DeepSeek-V3 ({', '.join(MODEL_TYPES)})")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-    if rope_type not in (None, "default"):
-        raise ModelError(f"config.json: RoPE type {rope_type!r}: kforge's DeepSeek model has plain RoPE only (YaRN is "
-                         "not modelled; positions and the softmax scale would not match)")
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn") or (rope_type == "yarn" and not rope.get("truncate", True)):
+        raise ModelError(f"config.json: RoPE type {rope_type!r}: kforge's DeepSeek model has plain RoPE and YaRN "
+                         "(with a truncated correction range) only")
+    yarn = {}
+    if rope_type == "yarn":
+        original = rope.get("original_max_position_embeddings", 4096)
+        factor = rope.get("factor") or hf.get("max_position_embeddings", original) / original
+        if rope.get("attention_factor") is not None:
+            raise ModelError("config.json: a given YaRN attention_factor is not modelled (kforge derives it from "
+                             "mscale and mscale_all_dim)")
+        yarn = {"rope_factor": float(factor), "rope_original_max_position": original,
+                "rope_beta_fast": float(rope.get("beta_fast") or 32), "rope_beta_slow": float(rope.get("beta_slow") or 1),
+                "rope_mscale": float(rope.get("mscale") or 0), "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0)}
     for key, wanted in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("norm_topk_prob", True),
                         ("moe_layer_freq", 1), ("hidden_act", "silu"), ("tie_word_embeddings", False),
                         ("attention_bias", False)):
@@ -72,9 +84,8 @@ def config_from_hf(hf: dict) -> DeepSeekConfig:
             top_k=hf["num_experts_per_tok"], n_group=hf.get("n_group", 1), topk_group=hf.get("topk_group", 1),
             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)) if isinstance(rope, dict)
-                             else hf.get("rope_theta", 10000.0)),
-            max_position=hf.get("max_position_embeddings", 4096))
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            max_position=hf.get("max_position_embeddings", 4096), **yarn)
     except KeyError as exc:
         raise ModelError(f"config.json lacks {exc.args[0]!r}, which a DeepSeek-V3 config has") from None
 
@@ -116,7 +127,7 @@ class _Reader:
         for shard in _shards(directory):
             try:
                 handle = stack.enter_context(safe_open(str(shard), framework="pt"))
-            except Exception as exc:  # a truncated or foreign file
+            except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
                 raise ModelError(f"{shard} is not a readable safetensors file: {exc}") from None
             for name in handle.keys():
                 self.where[name] = (shard, handle)
@@ -206,15 +217,8 @@ def _load(model: DeepSeekV3, directory: Path, *, interleaved: bool, block: list[
     with contextlib.ExitStack() as stack:
         reader = _Reader(directory, stack)
         for name in reader.where:
-            if name.endswith("_scale_inv") or name.endswith("rotary_emb.inv_freq"):
+            if name.endswith(("_scale_inv", "rotary_emb.inv_freq")):
                 continue  # read with its weight; RoPE is recomputed
-            tensor = None
-
-            def targets(rest, prefix, moe):
-                nonlocal tensor
-                tensor = reader.get(name, block)
-                return _block_targets(rest, c, prefix, moe, tensor, interleaved)
-
             parts = name.split(".")
             if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
                 found = [({"model.embed_tokens.weight": "embed", "model.norm.weight": "norm",
@@ -222,7 +226,8 @@ def _load(model: DeepSeekV3, directory: Path, *, interleaved: bool, block: list[
             elif len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
                 layer, rest = int(parts[2]), ".".join(parts[3:])
                 if layer < c.n_layers:
-                    found = targets(rest, f"layers.{layer}.", c.is_moe(layer))
+                    found = _block_targets(rest, c, f"layers.{layer}.", c.is_moe(layer), reader.get(name, block),
+                                           interleaved)
                 elif layer == c.n_layers:  # the MTP block (depth 1)
                     mtp = {"enorm.weight": "mtp.embed_norm", "hnorm.weight": "mtp.hidden_norm",
                            "shared_head.norm.weight": "mtp.norm"}
@@ -234,7 +239,8 @@ def _load(model: DeepSeekV3, directory: Path, *, interleaved: bool, block: list[
                     elif rest in ("embed_tokens.weight", "shared_head.head.weight"):
                         continue  # copies of the main model's, which the MTP block shares
                     else:
-                        found = targets(rest, "mtp.block.", c.is_moe(c.n_layers))
+                        found = _block_targets(rest, c, "mtp.block.", c.is_moe(c.n_layers), reader.get(name, block),
+                                               interleaved)
                 else:
                     continue  # deeper MTP modules: kforge drafts with depth 1
             else:

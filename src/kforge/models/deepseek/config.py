@@ -21,14 +21,25 @@ fp32 at most) sets n_dense_layers = n_layers + 1.
 
 The kernel's limits are the config's: kforge's MLA decode takes a latent (kv_lora_rank) and a
 RoPE key (qk_rope_head_dim) of powers of two >= 16, and its grouped GEMMs rows of 16-byte
-multiples (hidden sizes multiples of 8). Not modelled: YaRN's RoPE extension (DeepSeek-V3
-stretches a 4k RoPE 40x and scales the softmax by its mscale^2); plain RoPE here, so the real
-shapes' positions past 4096 would not match a checkpoint.
+multiples (hidden sizes multiples of 8).
+
+RoPE: plain (theta^(-2i/d) per pair), or YaRN's extension when rope_factor > 1 (DeepSeek-V3
+stretches a 4k context 40x; arXiv 2309.00071). YaRN keeps the high-frequency pairs as they
+were (extrapolation), divides the low-frequency ones by the factor (interpolation), and ramps
+linearly between, over the pairs whose wavelengths fit between beta_fast and beta_slow
+rotations of the original context: with r(n) = d ln(L / (2 pi n)) / (2 ln theta) the pair
+index where n rotations fit in L positions, the ramp runs from floor(r(beta_fast)) to
+ceil(r(beta_slow)). cos and sin are multiplied by an attention factor (m(mscale) /
+m(mscale_all_dim), or m(1) without both; m(s) = 0.1 s ln(factor) + 1), and the softmax scale by
+m(mscale_all_dim)^2; DeepSeek-V3's mscale = mscale_all_dim = 1 give 1 and (0.1 ln 40 + 1)^2.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
+
+import torch
 
 from kforge.errors import ModelError
 
@@ -56,6 +67,12 @@ class DeepSeekConfig:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position: int = 4096
+    rope_factor: float = 1.0  # YaRN's context stretch; 1: plain RoPE
+    rope_original_max_position: int = 4096  # YaRN: the pretraining context
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0  # 0: not given
+    rope_mscale_all_dim: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -84,6 +101,9 @@ class DeepSeekConfig:
                              f"{groups} groups of {experts // groups}")
         if not self.routed_scaling_factor > 0 or not self.norm_eps > 0 or not self.rope_theta > 0:
             raise ModelError("config: routed_scaling_factor, norm_eps and rope_theta must be > 0")
+        if not self.rope_factor >= 1 or not self.rope_beta_fast > self.rope_beta_slow > 0 or \
+                self.rope_mscale < 0 or self.rope_mscale_all_dim < 0:
+            raise ModelError("config: YaRN needs rope_factor >= 1, rope_beta_fast > rope_beta_slow > 0 and mscales >= 0")
 
     @property
     def qk_head_dim(self) -> int:
@@ -95,8 +115,39 @@ class DeepSeekConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
+    def yarn(self) -> bool:
+        return self.rope_factor > 1
+
+    def _yarn_m(self, scale: float) -> float:
+        return 0.1 * scale * math.log(self.rope_factor) + 1.0 if self.yarn else 1.0
+
+    @property
     def softmax_scale(self) -> float:
-        return self.qk_head_dim ** -0.5
+        """1/sqrt(qk_head_dim), times YaRN's m(mscale_all_dim)^2 where it applies."""
+        mscale = self._yarn_m(self.rope_mscale_all_dim) if self.rope_mscale_all_dim else 1.0
+        return self.qk_head_dim ** -0.5 * mscale * mscale
+
+    def rope_frequencies(self) -> tuple[torch.Tensor, float]:
+        """Each RoPE pair's angle per position (qk_rope_head_dim / 2,) float64, and the factor cos
+        and sin are multiplied by (1 for plain RoPE): the module docstring's YaRN."""
+        d = self.qk_rope_head_dim
+        plain = self.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+        if not self.yarn:
+            return plain, 1.0
+
+        def pair_index(rotations: float) -> float:
+            return d * math.log(self.rope_original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(self.rope_theta))
+
+        low = max(math.floor(pair_index(self.rope_beta_fast)), 0)
+        high = min(math.ceil(pair_index(self.rope_beta_slow)), d - 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        keep = 1 - ramp  # 1: the pair keeps its frequency; 0: divided by the factor
+        freqs = plain / self.rope_factor * (1 - keep) + plain * keep
+        if self.rope_mscale and self.rope_mscale_all_dim:
+            factor = self._yarn_m(self.rope_mscale) / self._yarn_m(self.rope_mscale_all_dim)
+        else:
+            factor = self._yarn_m(1.0)
+        return freqs, factor
 
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer` (n_layers: the MTP block) has the MoE FFN."""
@@ -127,12 +178,13 @@ _MAY_BE_ZERO = ("q_lora_rank", "n_dense_layers", "n_shared_experts")
 
 PRESETS: dict[str, DeepSeekConfig] = {
     # DeepSeek-V3 / R1 (config.json of deepseek-ai/DeepSeek-V3): documents the shapes; never
-    # instantiated in tests (671B parameters). YaRN (factor 40 over 4096) is not modelled.
+    # instantiated in tests (671B parameters). YaRN: factor 40 over 4096 positions.
     "deepseek-v3-shapes": DeepSeekConfig(
         vocab_size=129280, dim=7168, n_layers=61, n_dense_layers=3, n_heads=128, q_lora_rank=1536,
         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, ffn_dim=18432,
         moe_inter=2048, n_routed_experts=256, n_shared_experts=1, top_k=8, n_group=8, topk_group=4,
-        routed_scaling_factor=2.5, max_position=163840),
+        routed_scaling_factor=2.5, max_position=163840, rope_factor=40.0, rope_original_max_position=4096,
+        rope_mscale=1.0, rope_mscale_all_dim=1.0),
     # for tests: every feature (q low rank, dense then MoE layers, groups, a shared expert) in ~1M parameters
     "tiny": DeepSeekConfig(
         vocab_size=512, dim=128, n_layers=2, n_dense_layers=1, n_heads=4, q_lora_rank=64, kv_lora_rank=32,

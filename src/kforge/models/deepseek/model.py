@@ -302,6 +302,7 @@ class DeepSeekV3(nn.Module):
         self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.dim))
         self.mtp = MTP(config)
         self._rope: torch.Tensor | None = None
+        self._rope_factor = 1.0
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> DeepSeekV3:
         """Random weights (normal, std 0.02; norms 1), the same for a seed on any device."""
@@ -375,14 +376,15 @@ class DeepSeekV3(nn.Module):
         return g
 
     def _rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (B, S, rope_dim / 2) at `positions`, in the model's dtype (angles in float64)."""
+        """cos and sin (B, S, rope_dim / 2) at `positions`, in the model's dtype (angles in float64),
+        times YaRN's attention factor (config.rope_frequencies)."""
         c = self.config
         if self._rope is None or self._rope.device != self.embed.device:
-            inv_freq = c.rope_theta ** (-torch.arange(0, c.qk_rope_head_dim, 2, dtype=torch.float64)
-                                        / c.qk_rope_head_dim)
-            self._rope = torch.outer(torch.arange(c.max_position, dtype=torch.float64), inv_freq).to(self.embed.device)
+            freqs, self._rope_factor = c.rope_frequencies()
+            self._rope = torch.outer(torch.arange(c.max_position, dtype=torch.float64), freqs).to(self.embed.device)
         angles = self._rope[positions]
-        return angles.cos().to(self.embed.dtype), angles.sin().to(self.embed.dtype)
+        return ((angles.cos() * self._rope_factor).to(self.embed.dtype),
+                (angles.sin() * self._rope_factor).to(self.embed.dtype))
 
 
 def random_model(config: DeepSeekConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
