@@ -48,6 +48,15 @@ def _rel(a, b):
     return float((a.double() - b).norm() / b.norm())
 
 
+@pytest.fixture(autouse=True)
+def gpu_fp8_rounding():
+    """The interpreter's casts to e4m3 rounded half up and dropped the exponent's carry (0.49 became
+    0.25); mended, P is rounded as the GPU rounds it."""
+    from kforge.runtime.interpreter import mend_fp8_casts
+
+    mend_fp8_casts()
+
+
 @pytest.fixture
 def nan_outputs(monkeypatch):
     """The kernel's outputs start as NaN: a row it forgets to write shows."""
@@ -141,7 +150,7 @@ def test_output_and_lse_against_float64(shape, causal, nan_outputs):
     out, lse = flash_attention_fp8(q, k, v, causal=causal)
     expected, expected_lse = _reference(q, k, v, causal)
     assert out.dtype == q.dtype and out.shape == q.shape and torch.isfinite(out).all()
-    assert _rel(out, expected) < 0.10, "flat attention, P and V in FP8"
+    assert _rel(out, expected) < 0.07, "flat attention, P and V in FP8"
     assert (lse.double() - expected_lse).abs().max() < 0.1, "the smoothing is added back to the LSE"
     qk_only, _ = flash_attention_fp8(q, k, v, causal=causal, pv_fp8=False)
     assert _rel(qk_only, expected) < 0.05, "Q K^T alone in FP8"

@@ -57,3 +57,34 @@ def test_fp32_to_bf16_casts_round_to_nearest_even_as_torch_does():
     expected = x.to(torch.bfloat16)
     assert torch.equal(y.view(torch.int16)[~x.isnan()], expected.view(torch.int16)[~x.isnan()])
     assert y[x.isnan()].isnan().all()
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fp8, largest", [(torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)], ids=str)
+def test_casts_to_fp8_round_to_nearest_even_and_saturate_as_the_gpu_does(source, fp8, largest):
+    import triton
+    import triton.language as tl
+
+    from kforge.runtime.interpreter import mend_fp8_casts
+
+    mend_fp8_casts()
+    target = tl.float8e4nv if fp8 == torch.float8_e4m3fn else tl.float8e5
+
+    @triton.jit
+    def cast_kernel(x_ptr, y_ptr, N: tl.constexpr, TARGET: tl.constexpr):
+        offsets = tl.arange(0, N)
+        tl.store(y_ptr + offsets, tl.load(x_ptr + offsets).to(TARGET))
+
+    codes = torch.arange(0, 127, dtype=torch.uint8).view(fp8).float()  # every positive finite e4m3/e5m2 below NaN
+    codes = codes[codes.isfinite()]
+    midpoints = (codes[:-1] + codes[1:]) / 2  # ties: to the even pattern
+    special = torch.tensor([0.49, 124.3, 0.98, largest * 1.5, -largest * 4, 1e-9, float("nan")])
+    x = torch.cat([codes, midpoints, -midpoints, special, torch.randn(300) * largest / 8]).to(source)
+    size = triton.next_power_of_2(x.numel())
+    x = torch.cat([x, torch.zeros(size - x.numel(), dtype=source)])
+    y = torch.empty(size, dtype=fp8)
+    cast_kernel[(1,)](x, y, size, target)
+    finite = ~x.isnan()
+    expected = x.float().clamp(-largest, largest).to(fp8)  # the GPU's cvt.rn.satfinite
+    assert torch.equal(y.view(torch.uint8)[finite], expected.view(torch.uint8)[finite])
+    assert y.float()[~finite].isnan().all()

@@ -6,13 +6,17 @@ reads TRITON_INTERPRET again for each kernel it decorates. So `choose_triton_mod
 runs when kforge is imported: on a machine with no CUDA device it sets
 TRITON_INTERPRET=1 (unless you set it yourself) before anything imports Triton.
 
-`mend_interpreter()` mends two interpreter bugs (triton 3.6), each also on its own:
+`mend_interpreter()` mends three interpreter bugs (triton 3.6), each also on its own:
 - `mend_bf16_dot()`: `tl.dot` on bf16 tiles multiplies the raw 16-bit patterns as
   integers, because the interpreter stores bf16 as uint16. We widen bf16 operands to fp32
   first, which is what the tensor cores do (exact products, fp32 accumulation).
 - `mend_bf16_casts()`: fp32 -> bf16 casts truncate, where the GPU rounds to nearest even:
   every bf16 a kernel stored came out up to a whole step low in magnitude, and through a
   decoder block's dozen kernels that bias reached 0.05 of outputs the GPU gets right.
+- `mend_fp8_casts()`: casts to e4m3 and e5m2 round half up and lose the carry into the
+  exponent when the mantissa rounds over (0.49 became 0.25, 124.3 became 64), where the GPU
+  rounds to nearest even and saturates (`cvt.rn.satfinite`): FP8 kernels under the
+  interpreter were far less accurate than on the GPU.
 Elementwise bf16 arithmetic inside a kernel is still wrong under the interpreter: upcast
 to fp32 before doing math, as kernels should anyway.
 
@@ -29,6 +33,7 @@ import sys
 
 _MENDED = False
 _CASTS_MENDED = False
+_FP8_MENDED = False
 _INDEX_MENDED = False
 
 
@@ -151,10 +156,47 @@ def mend_bf16_casts() -> None:
     _CASTS_MENDED = True
 
 
+def mend_fp8_casts() -> None:
+    """Round the interpreter's casts to e4m3 and e5m2 to nearest even, saturating at the largest
+    finite value (NaN stays NaN), as the GPU's cvt.rn.satfinite does; other casts as they were."""
+    global _FP8_MENDED
+    if _FP8_MENDED:
+        return
+    try:
+        import numpy as np
+        import torch
+        import triton.language as tl
+        from triton._C.libtriton import ir
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    faulty = getattr(builder, "create_fp_to_fp", None)
+    if faulty is None:
+        return
+    targets = {tl.float8e4nv: (torch.float8_e4m3fn, 448.0), tl.float8e5: (torch.float8_e5m2, 57344.0)}
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        target = targets.get(dst_type.scalar)
+        source = src.dtype.scalar
+        if target is None or rounding_mode != ir.ROUNDING_MODE.RTNE or \
+                source not in (tl.float32, tl.float16, tl.bfloat16):
+            return faulty(self, src, dst_type, rounding_mode)
+        data = np.asarray(src.data)
+        if source == tl.bfloat16:  # stored as its uint16 pattern: the high half of an fp32
+            data = (data.astype(np.uint32) << 16).view(np.float32)
+        values = torch.from_numpy(np.clip(data.astype(np.float32), -target[1], target[1]))
+        return interpreter.TensorHandle(values.to(target[0]).view(torch.uint8).numpy(), dst_type.scalar)
+
+    builder.create_fp_to_fp = create_fp_to_fp
+    _FP8_MENDED = True
+
+
 def mend_interpreter() -> None:
-    """The bf16 mends (and the loop-bound one where needed): what evaluate() applies before
-    running kernels on a CPU."""
+    """The bf16 and FP8 mends (and the loop-bound one where needed): what evaluate() applies
+    before running kernels on a CPU."""
     mend_bf16_dot()
     mend_bf16_casts()
+    mend_fp8_casts()
     if scalar_index_needs_mending():
         mend_scalar_index()
