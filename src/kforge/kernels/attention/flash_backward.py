@@ -80,8 +80,9 @@ its head's Q, dO, L and D (Nk/BLOCK_N passes, from L2 while the head's programs 
 together); the atomic dQ adds BLOCK_M x d fp32 per pair of blocks into L2 (above); the fp32
 buffer's zeroing and final cast add ~0.3 GB of HBM traffic (~0.1 ms).
 
-Not yet run on a GPU: the configs below were chosen by compiling for sm_90 (registers,
-spills, shared memory), not by timing, and the autotuner picks among them.
+The configs below were chosen by compiling for sm_90 (registers, spills, shared memory), not
+by timing, and the autotuner picks among them; measured on an H200 (docs/attention.md): the
+dQ-kernel path at 372 TFLOP/s (full) and 340 (causal) at B 8, H 16, N 4096, hd 128.
 """
 
 from __future__ import annotations
