@@ -36,7 +36,6 @@ embeddings.
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
@@ -44,7 +43,7 @@ import torch
 from kforge.errors import ModelError
 from kforge.models.deepseek.config import DeepSeekConfig
 from kforge.models.deepseek.model import DeepSeekV3
-from kforge.models.llama.checkpoint import _shards, load_tokenizer
+from kforge.models.llama.checkpoint import _shards, load_tokenizer, read_config_json
 
 MODEL_TYPES = ("deepseek_v3",)
 
@@ -94,17 +93,7 @@ def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.bfloat1
                     device: torch.device | str = "cpu") -> tuple[DeepSeekV3, object | None]:
     """The model in `dtype` on `device`, and its tokenizer (None without tokenizer.json)."""
     directory = Path(directory)
-    if not directory.is_dir():
-        raise ModelError(f"no checkpoint directory at {directory}")
-    path = directory / "config.json"
-    if not path.is_file():
-        raise ModelError(f"{directory} has no config.json: not a Hugging Face checkpoint")
-    try:
-        hf = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(hf, dict):
-        raise ModelError(f"{path} does not hold a JSON object")
+    hf = read_config_json(directory)
     config = config_from_hf(hf)
     model = DeepSeekV3(config).init_random(0)  # every weight is overwritten below, the MTP block's if present
     model.to(dtype=dtype, device=device)

@@ -77,6 +77,11 @@ def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.bfloat1
 
 
 def read_config(directory: Path) -> LlamaConfig:
+    return from_hf(read_config_json(directory))
+
+
+def read_config_json(directory: Path) -> dict:
+    """A Hugging Face checkpoint directory's config.json, as a dict (ModelError if it is not one)."""
     if not directory.is_dir():
         raise ModelError(f"no checkpoint directory at {directory}")
     path = directory / "config.json"
@@ -88,7 +93,7 @@ def read_config(directory: Path) -> LlamaConfig:
         raise ModelError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(hf, dict):
         raise ModelError(f"{path} does not hold a JSON object")
-    return from_hf(hf)
+    return hf
 
 
 def load_tokenizer(path: Path):
