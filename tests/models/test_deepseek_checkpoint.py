@@ -254,3 +254,25 @@ def test_the_command_generates_from_a_checkpoint_and_refuses_a_bad_one_in_one_li
     with pytest.raises(SystemExit) as exited:
         main(["--checkpoint", str(tmp_path / "bad"), "--device", "cpu"])
     assert exited.value.code == 2 and "RoPE type 'dynamic'" in capsys.readouterr().err
+
+
+def test_a_text_prompt_goes_through_the_checkpoints_tokenizer(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from kforge.models.deepseek import generate
+    from kforge.models.deepseek.generate import main
+    from kforge.models.sampling import SamplingParams
+
+    original = random_model(preset("tiny"), seed=7)
+    _save(tmp_path / "ckpt", _release_state(original, interleaved=True))
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    main(["--checkpoint", str(tmp_path / "ckpt"), "--device", "cpu", "--prompt", "w5 w300 w7", "--max-tokens", "4",
+          "--k", "1"])
+    out = capsys.readouterr().out
+    want = generate(original, [5, 300, 7], SamplingParams(max_tokens=4)).tokens
+    assert "prompt 3, 4 tokens" in out and out.splitlines()[-1] == "text (K = 0): " + " ".join(f"w{t}" for t in want)
+    with pytest.raises(SystemExit) as exited:  # random weights have no tokenizer
+        main(["--device", "cpu", "--prompt", "w5"])
+    assert exited.value.code == 2 and "--prompt needs a checkpoint with a tokenizer.json" in capsys.readouterr().err

@@ -207,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="a DeepSeek-V3 checkpoint directory (config.json, *.safetensors) instead of --preset")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32, help="random prompt token ids (without --prompt)")
+    parser.add_argument("--prompt", default=None, help="a text prompt (needs --checkpoint with a tokenizer.json)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", default="1,2,4", help="draft counts, comma-separated")
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -217,18 +218,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=8, help="the engine's slots (with --requests)")
     args = parser.parse_args(argv)
     try:
-        model = _model(args)
+        _run(args)
     except ModelError as exc:
         parser.exit(2, f"python -m kforge.models.deepseek: {exc}\n")
+
+
+def _run(args: argparse.Namespace) -> None:
+    model, tokenizer = _model(args)
     if args.checkpoint:
         args.preset = args.checkpoint  # the tables' heading names the weights
         if not model.mtp_from_checkpoint:
             print("the checkpoint has no MTP block: the drafts come from random weights", file=sys.stderr)
-    prompt = torch.randint(0, model.config.vocab_size, (args.prompt_len,),
-                           generator=torch.Generator().manual_seed(args.seed)).tolist()
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise ModelError("--prompt needs a checkpoint with a tokenizer.json (--prompt-len draws random token ids)")
+        prompt = tokenizer.encode(args.prompt).ids
+        args.prompt_len = len(prompt)
+    else:
+        prompt = torch.randint(0, model.config.vocab_size, (args.prompt_len,),
+                               generator=torch.Generator().manual_seed(args.seed)).tolist()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     if args.requests:
-        _engine_table(model, args, params)
+        _engine_table(model, args, params, prompt if args.prompt is not None else None)
         return
     generate(model, prompt, replace(params, max_tokens=2), draft_k=1)  # warm-up: first calls, kernel builds
     print(f"{args.preset}, {args.dtype} on {args.device}, prompt {args.prompt_len}, {args.max_tokens} tokens, "
@@ -240,23 +251,28 @@ def main(argv: Sequence[str] | None = None) -> None:
         same = "yes" if run.tokens == plain.tokens else ("no" if params.greedy else "(sampled)")
         print(f"{k:>8} {run.target_steps:>6} {run.acceptance_rate:>9.1%} {run.tokens_per_step:>11.2f} "
               f"{run.tokens_per_second:>9.1f}  {same}")
+    if tokenizer is not None and args.prompt is not None:
+        print(f"text (K = 0): {tokenizer.decode(plain.tokens)}")
 
 
-def _model(args: argparse.Namespace) -> DeepSeekV3:
+def _model(args: argparse.Namespace) -> tuple[DeepSeekV3, object | None]:
+    """The model, and its checkpoint's tokenizer (None for random weights or none in the directory)."""
     dtype = getattr(torch, args.dtype)
     if args.checkpoint:
         from kforge.models.deepseek.checkpoint import from_pretrained
 
-        return from_pretrained(args.checkpoint, dtype=dtype, device=args.device)[0]
-    return random_model(preset(args.preset), seed=args.seed, dtype=dtype, device=args.device)
+        return from_pretrained(args.checkpoint, dtype=dtype, device=args.device)
+    return random_model(preset(args.preset), seed=args.seed, dtype=dtype, device=args.device), None
 
 
-def _engine_table(model: DeepSeekV3, args: argparse.Namespace, params: SamplingParams) -> None:
-    """The engine on --requests prompts of --prompt-len random tokens, each K of --k against K = 0."""
+def _engine_table(model: DeepSeekV3, args: argparse.Namespace, params: SamplingParams,
+                  text_prompt: list[int] | None) -> None:
+    """The engine on --requests prompts of --prompt-len random tokens (or each the --prompt text),
+    each K of --k against K = 0."""
     from kforge.models.deepseek.engine import DeepSeekEngine
 
     g = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=g).tolist()
+    prompts = [text_prompt or torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=g).tolist()
                for _ in range(args.requests)]
     each = [replace(params, seed=args.seed + i) for i in range(args.requests)]
     max_context = args.prompt_len + args.max_tokens
