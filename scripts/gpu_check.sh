@@ -29,6 +29,8 @@
 #   dsa   (scripts/dsa_sweep.py: DSA against dense MLA decode by context length, the crossover; the FP8 latent cache;
 #          DSA prefill (indexer, top-k, sparse MLA) against a dense causal prefill at 4k-32k prompts)
 #   abstraction   (the abstraction ladder's GPU tests, then kforge ladder abstraction for the GEMM and the softmax)
+#   fp8-attention   (scripts/fp8_attention_speed.py: the FP8 forward with and without its quantization against our
+#                    bf16 forward, SDPA flash and cuDNN, one run; then --sweep, the kernel's tiles)
 #   tune   (kforge tune gemm: this GPU's GEMM dispatch table, 28 shapes x 6 kernels against cuBLAS; TUNE_ARGS
 #           adds options, e.g. "--time-budget 0.5 --shapes '4096,4096,4096'")
 #   attention-backward   (the FlashAttention backward's and the FP8 forward's GPU tests, then kforge bench attention
@@ -211,6 +213,10 @@ if [[ $parts == *" attention-backward "* ]]; then
   python3 -m kforge bench attention --backward \
     --shapes "${ATTENTION_BACKWARD_SHAPES:-full N=4096 D=128,causal N=4096 D=128}" \
     --results "$out/bench-attention-backward.jsonl" 2>&1 | tee "$out/bench-attention-backward.txt"
+fi
+if [[ $parts == *" fp8-attention "* ]]; then
+  python3 scripts/fp8_attention_speed.py --results "$out/fp8-attention-speed.jsonl" 2>&1 | tee "$out/fp8-attention-speed.txt"
+  python3 scripts/fp8_attention_speed.py --sweep 2>&1 | tee "$out/fp8-attention-sweep.txt"
 fi
 if [[ $parts == *" tune "* ]]; then  # the GEMM dispatch table of this GPU: 28 shapes x 6 kernels against cuBLAS
   python3 -m kforge tune gemm ${TUNE_ARGS:-} --results "$out/tune-gemm.jsonl" --out "$out/dispatch-gemm-bf16.json" 2>&1 \
