@@ -93,6 +93,24 @@ def test_seeded_kernel_matches_reference_on_the_same_philox_draws(seed, offset, 
         chain_kernel(q, ids, p, block_v=16)
 
 
+def test_a_seed_tensor_draws_what_its_integers_draw(garbage_outputs):
+    """(seed, offset) in device memory, read as the kernel runs: the same tokens as the integers."""
+    q, ids, p, _ = _case(24, 4, 100, seed=6, zeros=0.2)
+    seed, offset = 2**40 + 17, 2**32 - 50
+    _assert_same(chain_kernel(q, ids, p, seed=torch.tensor([seed, offset]), block_v=16),
+                 chain_kernel(q, ids, p, seed=seed, offset=offset, block_v=16))
+    _assert_same(chain_speculative_sampling(q, ids, p, seed=torch.tensor([seed, offset])),
+                 chain_speculative_sampling(q, ids, p, seed=seed, offset=offset))
+    for bad, message in [(torch.tensor([1, 2], dtype=torch.int32), "int64 of shape"),
+                         (torch.tensor([1, 2, 3]), "int64 of shape")]:
+        with pytest.raises(ValueError, match=message):
+            chain_kernel(q, ids, p, seed=bad, block_v=16)
+    with pytest.raises(ValueError, match="the offset is its second entry"):
+        chain_kernel(q, ids, p, seed=torch.tensor([1, 2]), offset=5, block_v=16)
+    with pytest.raises(ValueError, match=r"offset must be an integer in \[0, 2\^63\)"):
+        chain_speculative_sampling(q, ids, p, seed=torch.tensor([1, -2]))  # the CPU path reads the tensor back
+
+
 def test_kernel_matches_reference_with_no_drafts():
     q, ids, p, u = _case(8, 0, 20, seed=3)
     got = chain_kernel(q, ids, p, u, block_v=16)
@@ -276,7 +294,10 @@ def test_op_draws_from_the_generator_reproducibly_and_matches_given_uniforms():
     uniforms = torch.rand(32, 5, generator=torch.Generator().manual_seed(1))
     _assert_same(first, again)
     _assert_same(first, chain_speculative_sampling(q, ids, p, uniforms))
-    torch.library.opcheck(torch.ops.kforge.chain_speculative_sampling.default, (q, ids, p, uniforms, None, 0, True))
+    torch.library.opcheck(torch.ops.kforge.chain_speculative_sampling.default,
+                          (q, ids, p, uniforms, None, None, 0, True))
+    state = torch.tensor([7, 3])
+    torch.library.opcheck(torch.ops.kforge.chain_speculative_sampling.default, (q, ids, p, None, None, state, 0, True))
 
 
 def test_op_with_a_seed_draws_philox_counters_the_reference_can_share():
@@ -318,11 +339,13 @@ def test_the_kernel_compiles_for_the_h100_without_spills_with_either_draws():
              **{name: "*i32" for name in ("draft_ids_ptr", "out_ptr", "accepted_ptr", "emitted_ptr")},
              **{name: "i32" for name in ("stride_db", "stride_dk", "stride_ib", "stride_tb", "stride_tk", "stride_ub",
                                          "stride_ob", "K", "V")},
-             "seed": "i64", "offset": "i64"}
-    found = compile_sm90([spec(f"seeded {seeded}", "kforge.kernels.speculative.chain",
+             "seed": "i64", "offset": "i64", "seed_ptr": "*i64"}
+    found = compile_sm90([spec(f"seeded {seeded}, seed tensor {in_memory}", "kforge.kernels.speculative.chain",
                                "chain_speculative_sampling_kernel", types,
-                               {"BLOCK_K": 8, "BLOCK_V": 1024, "SEEDED": seeded}, num_warps=4, num_stages=1)
-                          for seeded in (False, True)])
+                               {"BLOCK_K": 8, "BLOCK_V": 1024, "SEEDED": seeded, "SEED_IN_MEMORY": in_memory},
+                               num_warps=4, num_stages=1)
+                          for seeded, in_memory in ((False, False), (True, False), (True, True))])
+    assert len(found) == 3
     for label, used in found.items():
         assert used["spills"] == 0 and used["local"] == 0, (label, used)
 
@@ -362,6 +385,21 @@ def test_gpu_kernel_emits_the_target_distribution():
     out, _, emitted = chain_speculative_sampling(*(t.cuda() for t in _population(1_000_000, seed=13)))
     for name, pvalue in _pvalues(out.cpu(), emitted.cpu()).items():
         assert pvalue > 1e-4, f"{name}: p = {pvalue:.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_a_captured_graph_draws_fresh_counters_as_its_seed_tensor_advances():
+    q, ids, p, _ = (t.cuda() for t in _case(64, 4, 1000, seed=9))
+    state = torch.tensor([11, 0], device="cuda")
+    chain_speculative_sampling(q, ids, p, seed=state, validate=False)  # builds the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain_speculative_sampling(q, ids, p, seed=state, validate=False)
+    for step in range(3):
+        state[1] = step * 64 * 5
+        graph.replay()
+        want = chain_speculative_sampling(q.cpu(), ids.cpu(), p.cpu(), seed=11, offset=step * 64 * 5)
+        _assert_same(tuple(t.cpu() for t in out), want)
 
 
 @pytest.mark.gpu

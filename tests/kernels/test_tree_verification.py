@@ -191,6 +191,10 @@ def test_seeded_kernel_matches_the_reference_on_the_same_philox_draws(mode):
     other = tree_verify(tokens, first, sibling, p, draft_probs=q if mode == "draft" else None, mode=mode, seed=seed,
                         offset=offset + 12 * 7, block_v=16)
     assert not torch.equal(other[0], got[0]), "the next step's counters draw afresh"
+    in_memory = tree_verify(tokens, first, sibling, p, draft_probs=q if mode == "draft" else None, mode=mode,
+                            seed=torch.tensor([seed, offset]), block_v=16)  # read as the kernel runs
+    for a, b in zip(in_memory, got):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.slow
@@ -237,12 +241,14 @@ def test_every_mode_compiles_for_the_h100_without_spills():
              "draft_ptr": "*fp32", "uniforms_ptr": "*fp32", "out_ids_ptr": "*i32", "out_nodes_ptr": "*i32",
              "emitted_ptr": "*i32", **{name: "i32" for name in ("stride_nb", "stride_tb", "stride_tn", "stride_db",
                                                                  "stride_dn", "stride_ub", "stride_ob", "N", "V")},
-             "seed": "i64", "offset": "i64"}
-    found = compile_sm90([spec(f"mode {mode}{' seeded' if seeded else ''}", "kforge.kernels.speculative.tree",
-                               "tree_verify_kernel", types,
-                               {"MODE": mode, "BLOCK_N": 64, "BLOCK_V": 1024, "SEEDED": seeded}, num_warps=4,
-                               num_stages=1)
-                          for mode, seeded in ((0, False), (1, False), (2, False), (1, True), (2, True))])
+             "seed": "i64", "offset": "i64", "seed_ptr": "*i64"}
+    found = compile_sm90([spec(f"mode {mode}{' seeded' if seeded else ''}{' from a tensor' if in_memory else ''}",
+                               "kforge.kernels.speculative.tree", "tree_verify_kernel", types,
+                               {"MODE": mode, "BLOCK_N": 64, "BLOCK_V": 1024, "SEEDED": seeded,
+                                "SEED_IN_MEMORY": in_memory}, num_warps=4, num_stages=1)
+                          for mode, seeded, in_memory in ((0, False, False), (1, False, False), (2, False, False),
+                                                          (1, True, False), (2, True, False), (2, True, True))])
+    assert len(found) == 6
     for label, used in found.items():
         assert used["spills"] == 0 and used["local"] == 0, (label, used)
 
@@ -276,7 +282,7 @@ def test_op_on_the_cpu_is_the_reference_and_draws_reproducibly():
     greedy = tree_verify_op(tokens, first, sibling, p, mode="greedy")
     assert torch.equal(greedy[0], tree_verify_reference(tokens, first, sibling, p, mode="greedy")[0])
     torch.library.opcheck(torch.ops.kforge.tree_verify.default,
-                          (tokens, first, sibling, p, u, q, "draft", None, 0, True))
+                          (tokens, first, sibling, p, u, q, "draft", None, None, 0, True))
     seeded = tree_verify_op(tokens, first, sibling, p, draft_probs=q, mode="draft", seed=8, offset=5)
     on_philox = tree_verify_reference(tokens, first, sibling, p, philox_uniforms(8, 5, (16, 7)), draft_probs=q,
                                       mode="draft")

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kforge.kernels.speculative.draws import check_seed, draw
+from kforge.kernels.speculative.draws import check_seed, draw, seed_in_memory
 
 PROB_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_V = 1024
@@ -45,7 +45,8 @@ BLOCK_V = 1024
 def chain_speculative_sampling_kernel(
         draft_probs_ptr, draft_ids_ptr, target_probs_ptr, uniforms_ptr, out_ptr, accepted_ptr, emitted_ptr,
         stride_db, stride_dk, stride_ib, stride_tb, stride_tk, stride_ub, stride_ob,
-        K, V, seed, offset, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, SEEDED: tl.constexpr):
+        K, V, seed, offset, seed_ptr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, SEEDED: tl.constexpr,
+        SEED_IN_MEMORY: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     is_draft = offs_k < K
@@ -53,6 +54,9 @@ def chain_speculative_sampling_kernel(
     q_tok = tl.load(draft_probs_ptr + row * stride_db + offs_k * stride_dk + ids, mask=is_draft, other=0.0)
     p_tok = tl.load(target_probs_ptr + row * stride_tb + offs_k * stride_tk + ids, mask=is_draft, other=0.0)
     u_row = uniforms_ptr + row * stride_ub
+    if SEED_IN_MEMORY:  # a seed tensor: (seed, offset) read as the kernel runs (a CUDA graph replays them)
+        seed = tl.load(seed_ptr)
+        offset = tl.load(seed_ptr + 1)
     first = offset + row * (K + 1)  # this request's first Philox counter (SEEDED)
     u = draw(u_row, seed, first, offs_k, is_draft, SEEDED)
     ok = (u * q_tok.to(tl.float32) < p_tok.to(tl.float32)) & is_draft
@@ -134,7 +138,7 @@ def check_chain_inputs(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor,
             raise ValueError(f"{name} needs a contiguous last dimension, got strides {t.stride()}")
 
 
-def check_draws(uniforms: torch.Tensor | None, seed: int | None, offset: int) -> None:
+def check_draws(uniforms: torch.Tensor | None, seed: int | torch.Tensor | None, offset: int) -> None:
     """Raise ValueError unless exactly one of `uniforms` and `seed` is given (and the seed is sane)."""
     if (uniforms is None) == (seed is None):
         raise ValueError("give the draws as uniforms or as a seed (and offset), not both and not neither")
@@ -152,13 +156,14 @@ def check_draft_ids(draft_token_ids: torch.Tensor, vocab: int) -> None:
 
 
 def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
-                               uniforms: torch.Tensor | None = None, *, seed: int | None = None, offset: int = 0,
-                               validate: bool = True, block_v: int = BLOCK_V
+                               uniforms: torch.Tensor | None = None, *, seed: int | torch.Tensor | None = None,
+                               offset: int = 0, validate: bool = True, block_v: int = BLOCK_V
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel: (output ids (B, K + 1), accepted (B,), emitted (B,)), all int32; see
     `reference.py` for the rule. The draws: `uniforms` (B, K + 1), or `seed` (and `offset`):
     u[b, j] = Philox(seed, offset + b (K + 1) + j) made in the kernel (`draws.py`; the
-    reference takes `draws.philox_uniforms(seed, offset, (B, K + 1))`). `validate` reads the
+    reference takes `draws.philox_uniforms(seed, offset, (B, K + 1))`), the seed and offset
+    given as integers or as a seed tensor on the inputs' device (`draws.py`). `validate` reads the
     draft ids back once to refuse ids outside the vocabulary; `block_v` (a power of two) is the
     vocabulary tile, small in the CPU tests."""
     check_chain_inputs(draft_probs, draft_token_ids, target_probs, uniforms)
@@ -175,9 +180,11 @@ def chain_speculative_sampling(draft_probs: torch.Tensor, draft_token_ids: torch
     block_k = max(2, triton.next_power_of_2(k))  # 2 * block_k > k covers the K + 1 outputs
     block_v = min(block_v, max(16, triton.next_power_of_2(vocab)))
     draws = uniforms if uniforms is not None else out  # not read when seeded
+    in_memory = seed_in_memory(seed, device)
     chain_speculative_sampling_kernel[(batch,)](
         draft_probs, draft_token_ids, target_probs, draws, out, accepted, emitted,
         draft_probs.stride(0), draft_probs.stride(1), draft_token_ids.stride(0), target_probs.stride(0),
-        target_probs.stride(1), draws.stride(0), out.stride(0), k, vocab, seed or 0, offset,
-        BLOCK_K=block_k, BLOCK_V=block_v, SEEDED=uniforms is None, num_warps=4)
+        target_probs.stride(1), draws.stride(0), out.stride(0), k, vocab, 0 if in_memory else seed or 0, offset,
+        seed if in_memory else out, BLOCK_K=block_k, BLOCK_V=block_v, SEEDED=uniforms is None,
+        SEED_IN_MEMORY=in_memory, num_warps=4)
     return out, accepted, emitted

@@ -9,6 +9,11 @@ holds the kernel and the reference to the same tokens. The layout is row-major: 
 (b, j) of a (B, W) draw is counter offset + b * W + j, so consecutive steps of a generator
 that advances `offset` by B * W never reuse a counter.
 
+The seed and offset may also live in device memory: a seed tensor, int64 (seed, offset) on the
+inputs' device, which the kernels read when they run. A CUDA graph captured with one replays
+with whatever it holds, so a step can advance the offset in place (`state[1] += B * W`)
+between replays; integers would be frozen into the graph.
+
 Philox (Salmon et al. 2011), as Triton computes it for 32-bit counters: the state is
 (c0, c1, c2, c3) = (counter low 32 bits, counter high 32 bits, 0, 0), the key (k0, k1) =
 (seed low, seed high); ten rounds of
@@ -46,11 +51,37 @@ def draw(uniforms_row, seed, first, slot, mask, SEEDED: tl.constexpr):
         return tl.load(uniforms_row + slot, mask=mask, other=1.0)
 
 
-def check_seed(seed: int, offset: int) -> None:
-    """Raise ValueError unless seed and offset are integers in [0, 2^63)."""
+def check_seed(seed: int | torch.Tensor, offset: int) -> None:
+    """Raise ValueError unless seed and offset are integers in [0, 2^63), or the seed is a seed
+    tensor (int64 (seed, offset), shape (2,)) and offset is 0 (its values are the kernels' to read:
+    checking them would read the device)."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or tuple(seed.shape) != (2,):
+            raise ValueError(f"a seed tensor holds (seed, offset) as int64 of shape (2,), got {seed.dtype} "
+                             f"{tuple(seed.shape)}")
+        if offset != 0:
+            raise ValueError("with a seed tensor the offset is its second entry: pass offset=0")
+        return
     for name, value in (("seed", seed), ("offset", offset)):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
             raise ValueError(f"{name} must be an integer in [0, 2^63), got {value!r}")
+
+
+def seed_in_memory(seed: int | torch.Tensor | None, device: torch.device) -> bool:
+    """Whether the kernel reads its seed and offset from a seed tensor (on `device`, or ValueError)."""
+    if not isinstance(seed, torch.Tensor):
+        return False
+    if seed.device != device:
+        raise ValueError(f"the seed tensor is on {seed.device}, the inputs on {device}")
+    return True
+
+
+def seed_values(seed: int | torch.Tensor, offset: int) -> tuple[int, int]:
+    """(seed, offset) as integers, a seed tensor's entries read back and checked."""
+    if isinstance(seed, torch.Tensor):
+        seed, offset = (int(x) for x in seed.tolist())
+    check_seed(seed, offset)
+    return seed, offset
 
 
 def philox_uint32(seed: int, counters: np.ndarray) -> np.ndarray:

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from kforge.kernels.speculative.chain import PROB_DTYPES
-from kforge.kernels.speculative.draws import check_seed, draw
+from kforge.kernels.speculative.draws import check_seed, draw, seed_in_memory
 
 MODES = {"greedy": 0, "target_only": 1, "draft": 2}
 BLOCK_V = 1024
@@ -84,10 +84,13 @@ def _row_argmax(p_row, V, BLOCK_V: tl.constexpr):
 def tree_verify_kernel(tokens_ptr, first_child_ptr, next_sibling_ptr, target_ptr, draft_ptr, uniforms_ptr,
                        out_ids_ptr, out_nodes_ptr, emitted_ptr,
                        stride_nb, stride_tb, stride_tn, stride_db, stride_dn, stride_ub, stride_ob,
-                       N, V, seed, offset, MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                       SEEDED: tl.constexpr):
+                       N, V, seed, offset, seed_ptr, MODE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_V: tl.constexpr, SEEDED: tl.constexpr, SEED_IN_MEMORY: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     u_row = uniforms_ptr + b * stride_ub
+    if SEED_IN_MEMORY:  # a seed tensor: (seed, offset) read as the kernel runs (a CUDA graph replays them)
+        seed = tl.load(seed_ptr)
+        offset = tl.load(seed_ptr + 1)
     first = offset + b * N  # this request's first Philox counter (SEEDED)
     offs_v = tl.arange(0, BLOCK_V)
     offs_n = tl.arange(0, BLOCK_N)
@@ -215,7 +218,7 @@ def check_tree_inputs(tokens: torch.Tensor, first_child: torch.Tensor, next_sibl
         raise ValueError("tokens, first_child and next_sibling must share one layout")
 
 
-def check_tree_draws(uniforms: torch.Tensor | None, seed: int | None, offset: int, mode: str) -> bool:
+def check_tree_draws(uniforms: torch.Tensor | None, seed: int | torch.Tensor | None, offset: int, mode: str) -> bool:
     """Raise ValueError on uniforms and a seed together, or a bad seed; return whether the kernel
     makes its own draws (a seed, in a random mode)."""
     if seed is not None:
@@ -243,13 +246,13 @@ def check_tree_values(tokens: torch.Tensor, first_child: torch.Tensor, next_sibl
 
 def tree_verify(tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: torch.Tensor,
                 target_probs: torch.Tensor, uniforms: torch.Tensor | None = None, *,
-                draft_probs: torch.Tensor | None = None, mode: str = "target_only", seed: int | None = None,
-                offset: int = 0, validate: bool = True, block_v: int = BLOCK_V
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                draft_probs: torch.Tensor | None = None, mode: str = "target_only",
+                seed: int | torch.Tensor | None = None, offset: int = 0, validate: bool = True,
+                block_v: int = BLOCK_V) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel: (out_ids (B, N), out_nodes (B, N), emitted (B,)), all int32 (module docstring).
     `mode`: greedy (no draws), target_only, or draft (with draft_probs). The random modes' draws:
     `uniforms` (B, N), or `seed` (and `offset`): u[b, x] = Philox(seed, offset + b N + x) made in
-    the kernel (`draws.py`). `validate` reads the tree back once to refuse backward links and
+    the kernel, as integers or a seed tensor on the inputs' device (`draws.py`). `validate` reads the tree back once to refuse backward links and
     tokens outside the vocabulary."""
     seeded = check_tree_draws(uniforms, seed, offset, mode)
     check_tree_inputs(tokens, first_child, next_sibling, target_probs, draft_probs, uniforms, mode, seeded)
@@ -264,12 +267,14 @@ def tree_verify(tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: t
         return out_ids, out_nodes, emitted
     draft = draft_probs if draft_probs is not None else target_probs  # not read outside the draft mode
     draws = uniforms if uniforms is not None else out_ids  # not read in the greedy mode, nor when seeded
+    in_memory = seeded and seed_in_memory(seed, device)
     tree_verify_kernel[(batch,)](
         tokens, first_child, next_sibling, target_probs, draft, draws, out_ids, out_nodes, emitted,
         tokens.stride(0), target_probs.stride(0), target_probs.stride(1), draft.stride(0), draft.stride(1),
-        draws.stride(0), out_ids.stride(0), nodes, vocab, seed or 0, offset, MODE=MODES[mode],
-        BLOCK_N=max(2, triton.next_power_of_2(nodes)), BLOCK_V=min(block_v, max(16, triton.next_power_of_2(vocab))),
-        SEEDED=seeded, num_warps=4)
+        draws.stride(0), out_ids.stride(0), nodes, vocab, 0 if in_memory or not seeded else seed, offset,
+        seed if in_memory else out_ids, MODE=MODES[mode], BLOCK_N=max(2, triton.next_power_of_2(nodes)),
+        BLOCK_V=min(block_v, max(16, triton.next_power_of_2(vocab))), SEEDED=seeded, SEED_IN_MEMORY=in_memory,
+        num_warps=4)
     return out_ids, out_nodes, emitted
 
 
