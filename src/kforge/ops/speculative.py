@@ -104,7 +104,8 @@ def _tree_verify(tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: 
 
 
 @_tree_verify.register_fake
-def _(tokens, first_child, next_sibling, target_probs, uniforms, draft_probs, mode, seed, seed_tensor, offset, validate):
+def _(tokens, first_child, next_sibling, target_probs, uniforms, draft_probs, mode, seed, seed_tensor, offset,
+      validate):
     batch, nodes = tokens.shape
     return (tokens.new_empty((batch, nodes)), tokens.new_empty((batch, nodes)), tokens.new_empty((batch,)))
 

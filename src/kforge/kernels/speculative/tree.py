@@ -252,8 +252,8 @@ def tree_verify(tokens: torch.Tensor, first_child: torch.Tensor, next_sibling: t
     """The kernel: (out_ids (B, N), out_nodes (B, N), emitted (B,)), all int32 (module docstring).
     `mode`: greedy (no draws), target_only, or draft (with draft_probs). The random modes' draws:
     `uniforms` (B, N), or `seed` (and `offset`): u[b, x] = Philox(seed, offset + b N + x) made in
-    the kernel, as integers or a seed tensor on the inputs' device (`draws.py`). `validate` reads the tree back once to refuse backward links and
-    tokens outside the vocabulary."""
+    the kernel, as integers or a seed tensor on the inputs' device (`draws.py`). `validate`
+    reads the tree back once to refuse backward links and tokens outside the vocabulary."""
     seeded = check_tree_draws(uniforms, seed, offset, mode)
     check_tree_inputs(tokens, first_child, next_sibling, target_probs, draft_probs, uniforms, mode, seeded)
     batch, nodes, vocab = target_probs.shape
