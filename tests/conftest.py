@@ -68,7 +68,7 @@ def scripted_timing(speedup: float, reference_ms: float = 2.0, budget_s: float =
     timings would make any speed assertion flaky (and prove nothing)."""
     def script(name: str, round_index: int) -> float:
         jitter = 1.0 + 0.001 * ((round_index * 7 + len(name)) % 5 - 2)
-        return (reference_ms if name != "candidate" else reference_ms / speedup) * jitter
+        return (reference_ms if name not in ("candidate", "candidate_bb") else reference_ms / speedup) * jitter
 
     return TimingConfig(warmup_s=0.0, min_warmup_calls=1, min_reps=30, min_time_s=0.0, budget_s=budget_s,
                         script=script)

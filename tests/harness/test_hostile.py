@@ -82,7 +82,7 @@ def test_an_honest_candidate_passes_with_its_claims_checked(judge):
     assert record.gate1["passed"] and record.gate1["trials_passed"] == 7, record.reason
     claims = record.gate2["claims"]
     assert set(claims) == {"median_gap_ms", "excess_ms", "allowed_ms", "noise_ms", "passes"}
-    assert set(claims["median_gap_ms"]) == {"reference", "candidate", "reference_aa"}
+    assert set(claims["median_gap_ms"]) == {"reference", "candidate", "reference_aa", "candidate_bb"}
     assert claims["excess_ms"] <= claims["allowed_ms"]
     assert "timing_claims" not in record.defences
 
@@ -126,6 +126,26 @@ def test_2c_a_lottery_on_the_rechecked_rounds_loses(judge):
     assert record.status == "incorrect", record.reason
     assert record.defences == ["recheck"], record.defences
     assert record.reason.startswith("a timed call's output was wrong"), record.reason
+
+
+@pytest.mark.slow
+def test_2c_the_first_of_a_rounds_two_calls_is_re_checked_too(judge):
+    # Right in each round's second call, wrong in its first: both outputs wait in
+    # mailboxes of their own, and the first round's are always compared.
+    record = judge("judge_cheat_first_call")
+    assert record.status == "incorrect", record.reason
+    assert record.defences == ["recheck"], record.defences
+    assert record.reason.startswith("a timed call's output was wrong"), record.reason
+
+
+@pytest.mark.slow
+def test_a_reference_that_changes_its_inputs_gets_them_back_for_the_candidates_second_call(judge):
+    # The candidate works on the arena's views; without the arena restored, its second call
+    # a round would double the doubled inputs and fail the re-check.
+    record = judge("double_in_place", "double_in_place")
+    assert record.status in CORRECT, record.reason
+    assert record.gate2["rounds"] >= 2 and record.gate2["rechecked_rounds"] >= 4, record.gate2
+    assert set(record.gate2["ratios"]) == {"candidate", "reference_aa", "candidate_bb"}
 
 
 @pytest.mark.slow

@@ -117,6 +117,6 @@ def test_the_comparison_names_the_test_that_decided(problem_path):
     off[0] += 1.0
     elementwise = compare_leaf_values(ref, off, "output", problem)
     assert not elementwise.ok and elementwise.test == "elementwise"
-    drift = ref * (1 + 5e-5)  # every element within rtol=1e-4, but 5e-5 relative L2 > 1e-5
+    drift = ref * (1 + 5e-5)  # every element within rtol=1e-4, but 5e-5 relative L2 > 3e-5
     l2 = compare_leaf_values(ref, drift, "output", problem)
     assert not l2.ok and l2.test == "rel_l2" and "lower precision" in l2.reason

@@ -7,7 +7,7 @@ import pytest
 
 from kforge.harness.suite import SuiteRow, fast, summarize, Pair
 from kforge.harness.timing import StopRule, TimingConfig
-from kforge.harness.verdict import escape_probability, judge_speed, median_interval
+from kforge.harness.verdict import escape_probability, judge_speed, median_interval, round_ratios
 
 
 def _noisy(base_ms: float, n: int, spread: float, seed: int) -> list[float]:
@@ -88,13 +88,29 @@ def test_unpaired_samples_are_refused():
 
 
 def test_the_probability_of_escaping_the_rechecks():
-    assert escape_probability(0.0, 0.25, 100) == 1.0
-    assert escape_probability(1.0, 0.25, 100) == 0.0  # the first round is always checked
-    # wrong in half its calls, 30 rounds, a quarter of them re-checked: caught 99.4% of the time
-    assert escape_probability(0.5, 0.25, 30) == pytest.approx(0.25 * 0.875 ** 28)
-    assert escape_probability(0.5, 0.25, 30) < 0.01
-    assert escape_probability(0.1, 0.25, 300) < 1e-3
-    assert escape_probability(0.5, 0.02, 30) > 0.1  # the old 2% rate lost this lottery
+    assert escape_probability(0.0, 0.25, 200) == 1.0
+    assert escape_probability(1.0, 0.25, 200) == 0.0  # the first round's calls are always checked
+    # wrong in half its calls, 30 rounds (60 calls), a quarter of them re-checked: caught 99.99% of the time
+    assert escape_probability(0.5, 0.25, 60) == pytest.approx(0.5 ** 4 * 0.875 ** 56)
+    assert escape_probability(0.5, 0.25, 60) < 1e-4
+    assert escape_probability(0.1, 0.25, 600) < 1e-6
+    assert escape_probability(0.5, 0.02, 60) > 0.03  # the old 2% rate lost this lottery
+
+
+def test_two_candidate_calls_a_round_are_summed_against_the_references_two():
+    # Round i's speedup is (reference + reference_aa) / (candidate + candidate_bb); the
+    # A/A ratio sets the floor and the candidate's own B/B ratio only goes on the record.
+    reference, again = [10.0] * 8, [10.0] * 8
+    candidate, candidate_again = [4.0, 6.0] * 4, [6.0, 4.0] * 4
+    assert round_ratios(reference, candidate, again, candidate_again) == [2.0] * 8
+    verdict = judge_speed(reference, candidate, again, candidate_again)
+    assert verdict.speedup == 2.0 and verdict.status == "faster"
+    assert verdict.aa_ratio == 1.0 and verdict.bb_ratio == pytest.approx((4 / 6 + 6 / 4) / 2)
+    # a candidate whose second call wanders cannot raise the floor the verdict uses
+    wild = judge_speed(reference, [5.0] * 8, again, [20.0, 1.0] * 4)
+    assert wild.noise_floor == 0.01 and wild.bb_ratio != pytest.approx(1.0)
+    with pytest.raises(ValueError, match="two reference calls"):
+        round_ratios(reference, candidate, None, candidate_again)
 
 
 class _Clock:

@@ -14,7 +14,8 @@ Commands (JSON lines; judge.py sends them):
     call      one untimed call on the current inputs; outputs into the mailbox (gate 1)
     warm      untimed calls until warm (compilation and autotuning happen here)
     prepare   the round's inputs into the worker's own buffers; the device idle
-    time      one timed call on them; its clocks, then its outputs into the mailbox
+    time      one timed call on them; its clocks, then its outputs into the mailbox the judge
+              names (the candidate is timed twice a round, one mailbox a call)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kforge.harness.defences import OpRecorder
 from kforge.harness.loading import fp32_means_fp32, synchronize
 from kforge.harness.problem import flatten_outputs
 from kforge.harness.shared import Arena, digest, rebuild, tensor_leaves
+from kforge.harness.timing import wake_host
 
 
 class CandidateWorker:
@@ -46,7 +48,8 @@ class CandidateWorker:
         self.dev = self.device.torch_device
         self.arena = Arena.open(job["arena"], self.dev)
         self.inputs = rebuild(job["inputs"], self.arena)
-        self.mailbox = [self.arena.view(spec) for spec in tensor_leaves(job["mailbox"])]
+        self.mailboxes = [[self.arena.view(spec) for spec in tensor_leaves(desc)] for desc in job["mailboxes"]]
+        self.mailbox = self.mailboxes[0]  # the one the next outputs go to
         self.timer = None
         self.own = None  # the timed calls' own copy of the inputs (prepare, time)
 
@@ -64,6 +67,7 @@ class CandidateWorker:
         return self.candidate.run(self.model, self.inputs, self.dev)
 
     def call(self) -> dict:
+        self.mailbox = self.mailboxes[0]
         recorder = OpRecorder() if self.job["forbidden_ops"] else nullcontext()
         with torch.no_grad(), recorder:
             out = self._run()
@@ -99,9 +103,11 @@ class CandidateWorker:
         synchronize(self.dev)
         return {}
 
-    def time(self) -> dict:
-        """One timed call on what `prepare` left."""
+    def time(self, box: int = 0) -> dict:
+        """One timed call on what `prepare` left; its outputs into mailbox `box`."""
+        self.mailbox = self.mailboxes[box]
         feed = self._feed()
+        wake_host()
         with torch.no_grad():
             clocks, out = self.timer.time_call(lambda _: self.model(*feed), ())
         return {"clocks": list(clocks), **self._export(out)}

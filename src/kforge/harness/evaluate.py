@@ -40,7 +40,7 @@ from kforge.harness.problem import SIZES, Problem, load_problem
 from kforge.harness.record import EvalRecord
 from kforge.harness.roofline import Ceilings, Roofline, get_ceilings, roofline_for
 from kforge.harness.timing import TimingConfig, TimingRun, time_interleaved
-from kforge.harness.verdict import Verdict, judge_speed, paired_ratios
+from kforge.harness.verdict import Verdict, judge_speed, paired_ratios, round_ratios
 from kforge.runtime.interpreter import interpreter_active, mend_interpreter
 
 BASELINES = ("eager", "compile")
@@ -62,6 +62,7 @@ STATUS_OF_DEFENCE = {
     "forbidden_op": "rejected",
 }
 AA = "reference_aa"  # the reference timed again each round: the A/A pair that measures the noise floor
+BB = "candidate_bb"  # the candidate timed again each round (the judge's rounds): the two sides' rhythm alike
 CEILING_DOUBT = 0.9  # a reference faster than 1/0.9 of the measured roof casts doubt on the ceilings
 GATE1_FAILURE_DEFENCE = {"output_type": "plain_tensor", "mutated_inputs": "input_clones", "poison": "poison"}
 
@@ -238,7 +239,7 @@ class _Run:
 def speed_verdict(calls: dict[str, list[float]], min_speedup: float | None = None) -> Verdict:
     """Gate 2's statistics on per-call times (a run's `per_call`): the paired per-round
     ratios, their interval, the A/A noise floor."""
-    return judge_speed(calls["reference"], calls["candidate"], calls.get(AA), min_speedup=min_speedup)
+    return judge_speed(calls["reference"], calls["candidate"], calls.get(AA), calls.get(BB), min_speedup=min_speedup)
 
 
 def decided_by(min_speedup: float | None) -> Callable[[dict[str, list[float]]], bool]:
@@ -286,9 +287,11 @@ def gate2_fields(status: str, run: TimingRun, verdict: Verdict, **extra) -> dict
     """The record's gate 2: the verdict (speedup, interval, noise floor), the timing run, and
     the paired per-round ratios (4 significant digits) the verdict came from."""
     calls = run.per_call
-    ratios = {"candidate": _rounded(paired_ratios(calls["reference"], calls["candidate"]))}
+    ratios = {"candidate": _rounded(round_ratios(calls["reference"], calls["candidate"], calls.get(AA), calls.get(BB)))}
     if AA in calls:
         ratios[AA] = _rounded(paired_ratios(calls["reference"], calls[AA]))
+    if BB in calls:
+        ratios[BB] = _rounded(paired_ratios(calls["candidate"], calls[BB]))
     return {"passed": status == "passed", "speedup": verdict.speedup, "verdict": verdict.to_dict(),
             **run.to_dict(), "ratios": ratios, **extra}
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from kforge.harness import containment
 from kforge.harness.channel import Channel, ChannelError
-from kforge.harness.evaluate import (AA, STATUS_OF_DEFENCE, decided_by, derive_seed, exposed_seeds, gate2_fields,
+from kforge.harness.evaluate import (AA, BB, STATUS_OF_DEFENCE, decided_by, derive_seed, exposed_seeds, gate2_fields,
                                      gate2_verdict, identity, pair_key, roofline_fields, speed_verdict)
 from kforge.harness.record import EvalRecord
 from kforge.harness.roofline import Ceilings, get_ceilings, roofline_for
@@ -118,9 +118,11 @@ class ClaimsCheck:
         return cls(abs_ms=0.5, rel=0.02) if is_cuda else cls(abs_ms=5.0, rel=0.5)
 
     def excess_ms(self, gaps: dict[str, list[float]], claimed_ms: float) -> tuple[float, float, float]:
-        """(the candidate's median gap minus the reference's, the allowance, its noise term)."""
-        excess = statistics.median(gaps["candidate"]) - statistics.median(gaps["reference"])
-        noise = median_difference_error(gaps["reference"] + gaps[AA], len(gaps["candidate"]))
+        """(the candidate's median gap minus the reference's, the allowance, its noise term),
+        each side's median over both its calls of every round."""
+        candidate, reference = gaps["candidate"] + gaps.get(BB, []), gaps["reference"] + gaps.get(AA, [])
+        excess = statistics.median(candidate) - statistics.median(reference)
+        noise = median_difference_error(reference, len(candidate))
         return excess, self.abs_ms + self.rel * claimed_ms + NOISE_Z * noise, noise
 
 
@@ -316,49 +318,61 @@ class Judge:
             self._rest_timer.set_cover(min(max(2 * _number(warm.get("host_ms")), low), high))
             cover = self._rest_timer.cover_ms
 
-        # The reference is timed twice a round (AA): the A/A pair measures the noise floor
-        # the candidate's speedup must clear (verdict.py).
-        names = ["reference", "candidate", AA]
+        # Each round times both sides twice, alternating: the reference's second call (AA)
+        # against its first is the noise floor (verdict.py), and the candidate's second (BB)
+        # gives its worker the reference's rhythm. Timed once a round beside the reference's
+        # three commands, the candidate's worker ran colder: an identity read 0.53-0.66x on a
+        # 2-core CPU, and Level 3's launch-bound networks 0.85-0.97x on the H200s.
+        names = ["reference", "candidate", AA, BB]
         raw: dict[str, list[Clocks]] = {name: [] for name in [*names, "null"]}
-        gaps: dict[str, list[float]] = {"reference": [], "candidate": [], AA: []}
+        gaps: dict[str, list[float]] = {name: [] for name in names}
         stopper = StopRule(config, names, host=False, decided=decided_by(self.min_speedup))
+        mutates = bool(self.setup.get("mutates_inputs"))
         rounds = rechecked = 0
         while True:
+            # The candidate's worker is woken first, on the last round's inputs, as the
+            # reference's is by the draw: both sides start the round just active, and the
+            # new inputs reach the arena only after the candidate's command.
+            self._ask_candidate({"op": "prepare"})
             self._ask_reference({"op": "draw", "seed": derive_seed(self.seed, f"round{attempt or ''}", rounds)})
-            order = [*names, "null"]
-            self.rng.shuffle(order)
-            claims = None
+            null = self._ask_reference({"op": "time", "null": True})
+            raw["null"].append(scripted(config, "null", rounds, _clocks(null.get("clocks"), "null")))
+            order = ["reference", "candidate", AA, BB] if self.rng.random() < 0.5 else ["candidate", "reference", BB, AA]
+            claims: list[dict] = []
             for name in order:
-                if name == "candidate":
+                if name in ("candidate", BB):
+                    if claims and mutates:  # its first call changed the arena's inputs
+                        self._ask_reference({"op": "restore"})
                     self._ask_candidate({"op": "prepare"})
                     prepared_ms = self.wall_ms
-                    reply = self._ask_candidate({"op": "time"}, timed=True)
-                    claims = _claims(reply)
-                elif name == "null":
-                    reply, prepared_ms = self._ask_reference({"op": "time", "null": True}), 0.0
+                    reply = self._ask_candidate({"op": "time", "box": len(claims)}, timed=True)
+                    claims.append(_claims(reply))
                 else:
                     self._ask_reference({"op": "prepare"})
                     prepared_ms = self.wall_ms
                     reply = self._ask_reference({"op": "time"}, timed=True)
                 clocks = _clocks(reply.get("clocks"), name)
-                if name == "candidate" and max(clocks) <= 0:
+                if name in ("candidate", BB) and max(clocks) <= 0:
                     raise Ended("rejected", "the candidate's worker claimed a call that took no time: its timings "
                                             "were forged", defences=("timing_claims",))
-                if name in gaps:  # the judge's clock for the call against the device time it claims:
-                    # `prepare` included, where the round's inputs are in the worker's hands
-                    gaps[name].append(prepared_ms + (self.wall_ms if self.held_ms is None else self.held_ms)
-                                      - clocks[1])
+                # the judge's clock for the call against the device time it claims: `prepare`
+                # included, where the round's inputs are in the worker's hands
+                gaps[name].append(prepared_ms + (self.wall_ms if self.held_ms is None else self.held_ms) - clocks[1])
                 raw[name].append(scripted(config, name, rounds, clocks))
             rounds += 1
             stop_reason = stopper.check(raw, rounds)
-            # Drawn now, after the candidate's reply, from a source its process cannot read.
-            if rounds == 1 or stop_reason or self.rng.random() < config.recheck_fraction:
-                rechecked += 1
-                result = self._ask_reference({"op": "compare", **claims})["comparison"]
-                if not result["ok"]:
-                    name = result["failure"] if result["failure"] in ("poison", "late_output") else "recheck"
-                    raise Ended(STATUS_OF_DEFENCE[name], f"a timed call's output was wrong: {result['reason']}",
-                                defences=(name,))
+            # Which of the round's two candidate calls are re-checked is drawn now, after both
+            # replies, from a source its process cannot read; each output waits in a mailbox
+            # of its own. The inputs are checked after the last call that had them.
+            for box, claim in enumerate(claims):
+                if rounds == 1 or stop_reason or self.rng.random() < config.recheck_fraction:
+                    rechecked += 1
+                    result = self._ask_reference({"op": "compare", **claim, "box": box,
+                                                  "inputs": box == len(claims) - 1 or not mutates})["comparison"]
+                    if not result["ok"]:
+                        name = result["failure"] if result["failure"] in ("poison", "late_output") else "recheck"
+                        raise Ended(STATUS_OF_DEFENCE[name], f"a timed call's output was wrong: {result['reason']}",
+                                    defences=(name,))
             if stop_reason:
                 break
         per_call = per_call_ms(raw, names, host=False)
@@ -386,22 +400,28 @@ class Judge:
             self.on_stage(stage)
 
     def _ask_reference(self, message: dict, timed: bool = False) -> dict:
-        # In gate 2 the reference worker is stopped between commands as the candidate's is,
-        # so both sides' calls start from the same state (a process just continued).
+        # In gate 2 the reference worker is handled between commands as the candidate's is:
+        # its process tree walked, continued, stopped and walked again, the GPU probed. The
+        # same host work around both sides' calls leaves their caches alike (the walks alone
+        # had an identity at 0.58x on a 2-core CPU when only the candidate's tree had them).
         pause = self.stage == "gate2"
         try:
+            tree = self._reference_tree() if pause else []
             if timed:
                 self._rest()
+            elif pause:
+                self._probe()
             started = time.perf_counter()
-            if pause:
-                containment.signal_all([self.reference.process.pid], signal.SIGCONT)
+            containment.signal_all(tree, signal.SIGCONT)
             reply = self.reference.channel.request(message, self.deadline)
             self._reply_seen(timed)
             if pause:  # and probed after every command, as the candidate's worker is: the same clock for both
-                containment.signal_all([self.reference.process.pid], signal.SIGSTOP)
+                containment.signal_all(tree, signal.SIGSTOP)
             if timed or pause:
                 self._probe()
             self.wall_ms = (time.perf_counter() - started) * 1e3
+            if pause:
+                self._stop_tree(self._reference_tree)
         except ChannelError as exc:
             if exc.kind == "timeout":
                 raise Ended("timeout", f"{self.stage} ran past its {self._limit():g} s limit in the reference "
@@ -465,12 +485,20 @@ class Judge:
             return []
         return containment.descendants(self.warden.pid)
 
+    def _reference_tree(self) -> list[int]:
+        pid = self.reference.process.pid
+        return [pid, *containment.descendants(pid)]
+
     def _stop_candidate(self) -> None:
-        """SIGSTOP the candidate's whole tree, walking it again until no new process shows up
+        self._stop_tree(self._candidate_tree)
+
+    @staticmethod
+    def _stop_tree(walk: Callable[[], list[int]]) -> None:
+        """SIGSTOP a whole process tree, walking it again until no new process shows up
         (a process that forks while it is walked)."""
         stopped: set[int] = set()
         for _ in range(20):
-            new = [pid for pid in self._candidate_tree() if pid not in stopped]
+            new = [pid for pid in walk() if pid not in stopped]
             if not new:
                 return
             containment.signal_all(new, signal.SIGSTOP)
@@ -627,7 +655,7 @@ class Judge:
 
     def _candidate_job(self, setup: dict) -> dict:
         return dict(candidate=str(self.candidate), device=self.hello["device"]["kind"], arena=setup["arena"],
-                    init=setup["init"], inputs=setup["inputs"], mailbox=setup["mailbox"],
+                    init=setup["init"], inputs=setup["inputs"], mailboxes=setup["mailboxes"],
                     init_seed=derive_seed(self.seed, "init"),
                     forbidden_ops=setup["forbidden_ops"], own_inputs=not setup.get("mutates_inputs", False))
 

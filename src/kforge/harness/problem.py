@@ -53,16 +53,18 @@ from kforge.harness.roofline import COMPUTE_DTYPES, TORCH_TO_COMPUTE_DTYPE
 # Per output dtype: (elementwise, rel_l2). The elementwise value is both atol and rtol
 # (KernelBench's for fp32/fp16/bf16); rel_l2 bounds ||out - ref|| / ||ref||. fp32: fp16 or
 # tf32 products measured 5.5e-6 (rand inputs, K=4096) to 2.9e-4 (signed inputs); fp32 and
-# 3xTF32 1e-7 to 3.5e-7 (CPU, float64 truth), so 1e-5 passes exact-enough methods and, on
-# the exposing draws, catches a lower precision by 30x.
+# 3xTF32 1e-7 to 3.5e-7 (CPU, float64 truth). Honest fp32 in another order reached 1.01e-5
+# on an output that cancels (KernelBench level2/77, a batch norm then a global average,
+# against itself on an H200), so 3e-5: on the exposing draws it catches a lower precision
+# by 10x.
 DEFAULT_TOLERANCE = {
     torch.float64: (1e-7, 1e-10),
-    torch.float32: (1e-4, 1e-5),
+    torch.float32: (1e-4, 3e-5),
     torch.float16: (1e-2, 5e-3),
     torch.bfloat16: (1e-2, 1e-2),
     torch.float8_e4m3fn: (1.25e-1, 1e-1),
     torch.float8_e5m2: (2.5e-1, 2e-1),
-    torch.complex64: (1e-4, 1e-5),
+    torch.complex64: (1e-4, 3e-5),
     torch.complex128: (1e-7, 1e-10),
 }
 OTHER_TOLERANCE = (1e-2, 1e-2)  # a floating dtype not above

@@ -15,9 +15,11 @@ Commands (JSON lines; see judge.py for the order they come in):
     setup     load the problem, build the reference, lay out and create the arena
     draw      a fresh input set: the candidate's copy into the arena, poisoned mailbox
     reference run the reference on its own copy (gate 1)
-    compare   the candidate's claimed outputs and the mailbox against the reference's
+    compare   the candidate's claimed outputs and a mailbox against the reference's
     warm      warm the reference up; its host time sizes the GPU's rest before each call
     prepare   the round's inputs into this worker's own buffers; the device idle
+    restore   the round's inputs into the arena again (a reference that changes its inputs in
+              place: the candidate's second call of a round runs on them as drawn)
     time      one timed call of the reference on them, or of nothing ("null")
     state     the fingerprint, compared with the one taken at setup
 """
@@ -41,7 +43,10 @@ from kforge.harness.defences import poison
 from kforge.harness.loading import call_user, fp32_means_fp32, synchronize
 from kforge.harness.problem import flatten_outputs, load_problem
 from kforge.harness.shared import Arena, Layout, SharedError, describe, digest, rebuild, tensor_leaves, write_values
-from kforge.harness.timing import call_timer, null_call
+from kforge.harness.timing import call_timer, null_call, wake_host
+
+
+MAILBOXES = 2  # the candidate's calls a round (judge.Judge._gate2)
 
 
 class ReferenceWorker:
@@ -80,14 +85,16 @@ class ReferenceWorker:
         self.input_desc = describe(list(probe_inputs), layout.place)
         mailbox = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in flatten_outputs(probe_out)
                    if isinstance(t, torch.Tensor)]
-        self.mailbox_desc = describe(mailbox, layout.place)
+        # Two mailboxes: the candidate is timed twice a round, and either call's outputs may
+        # be re-checked once the round is over.
+        self.mailbox_descs = [describe(mailbox, layout.place) for _ in range(MAILBOXES)]
         self.arena = Arena.create(layout.size, self.dev, Path(job["arena_file"]))
         write_values(list(init_inputs), self.arena, self.init_desc)
-        self.mailbox = [self.arena.view(spec) for spec in tensor_leaves(self.mailbox_desc)]
+        self.mailboxes = [[self.arena.view(spec) for spec in tensor_leaves(desc)] for desc in self.mailbox_descs]
         self.slot = rebuild(self.input_desc, self.arena)  # the candidate's copy of each input set
         # Each timed call's outputs are copied here, as the candidate's worker copies its own
-        # into the mailbox: the two workers' protocols cost the judge's clock the same.
-        self.twin = [torch.empty_like(m) for m in self.mailbox]
+        # into a mailbox: the two workers' protocols cost the judge's clock the same.
+        self.twin = [torch.empty_like(m) for m in self.mailboxes[0]]
 
         flops = problem.count_flops(probe_inputs)
         nbytes = problem.count_bytes(probe_inputs, probe_out, model)
@@ -95,7 +102,7 @@ class ReferenceWorker:
         self.fingerprint = self._fingerprint()
         return dict(
             problem={"name": problem.name, "size": problem.size, "tags": problem.tags},
-            init=self.init_desc, inputs=self.input_desc, mailbox=self.mailbox_desc, arena=self.arena.handle,
+            init=self.init_desc, inputs=self.input_desc, mailboxes=self.mailbox_descs, arena=self.arena.handle,
             flops=flops, bytes=nbytes, compute_dtype=problem.compute_dtype_for(probe_inputs),
             forbidden_ops=problem.forbidden_ops, tolerance=list(problem.tolerance_for(_first_dtype(probe_out))),
             rel_l2_bound=problem.rel_l2_for(_first_dtype(probe_out)), exposed_trials=problem.exposed_trials,
@@ -119,7 +126,8 @@ class ReferenceWorker:
         self.pristine = inputs
         self.mine = clone_arguments(inputs)
         write_values(list(inputs), self.arena, self.input_desc)
-        poison(self.mailbox)  # an output the candidate never exports shows as poison
+        for mailbox in self.mailboxes:  # an output the candidate never exports shows as poison
+            poison(mailbox)
         self.out = None
         synchronize(self.dev)
         return {}
@@ -132,20 +140,23 @@ class ReferenceWorker:
         synchronize(self.dev)
         return {"finite": outputs_finite(self.out)}
 
-    def compare(self, claims, digests) -> dict:
-        """The candidate's outputs (its claims about them, the values in the mailbox) and
-        its inputs (the arena's copy must be as the reference left its own) checked here.
-        The mailbox must still hold what the worker digested when it replied."""
-        if not (isinstance(digests, list) and len(digests) == len(self.mailbox)
+    def compare(self, claims, digests, box: int = 0, inputs: bool = True) -> dict:
+        """The candidate's outputs (its claims about them, the values in mailbox `box`) and,
+        with `inputs`, its inputs (the arena's copy must be as the reference left its own:
+        the judge asks only after the candidate's last call on them) checked here. The
+        mailbox must still hold what the worker digested when it replied."""
+        mailbox = self.mailboxes[box] if box in range(MAILBOXES) else []
+        if not (isinstance(digests, list) and mailbox and len(digests) == len(mailbox)
                 and all(type(d) is int for d in digests)):
             result = Comparison(ok=False, failure="structure",
                                 reason="the candidate's worker did not say what its mailbox holds")
-        elif digests != [digest(slot) for slot in self.mailbox]:
+        elif digests != [digest(slot) for slot in mailbox]:
             result = Comparison(ok=False, failure="late_output", reason="the mailbox changed after the candidate's "
                                 "worker replied: its outputs were written by work on no clock")
         else:
-            result = (compare_inputs(self.pristine, self.mine, self.slot, self.problem, self.exposed)
-                      or compare_claimed(self.out, claims, self.mailbox, self.problem, self.exposed))
+            result = ((compare_inputs(self.pristine, self.mine, self.slot, self.problem, self.exposed) if inputs
+                       else None)
+                      or compare_claimed(self.out, claims, mailbox, self.problem, self.exposed))
         return {"comparison": result.to_dict()}
 
     # --- timing ------------------------------------------------------------------------------
@@ -174,11 +185,18 @@ class ReferenceWorker:
         synchronize(self.dev)
         return {}
 
+    def restore(self) -> dict:
+        """The round's inputs written into the arena again, as `draw` left them."""
+        write_values(list(self.pristine), self.arena, self.input_desc)
+        synchronize(self.dev)
+        return {}
+
     def time(self, null: bool = False) -> dict:
         with torch.no_grad():
             if null:
                 clocks, _ = self.timer.time_call(null_call, ())
             else:
+                wake_host()
                 clocks, self.out = self.timer.time_call(lambda _: self.model(*self.mine), ())
                 for twin, t in zip(self.twin, [t for t in flatten_outputs(self.out) if isinstance(t, torch.Tensor)]):
                     twin.copy_(t)
@@ -267,7 +285,8 @@ def main() -> int:
             mend_interpreter()
     end.reply(hello={"device": worker.device.to_dict(), "versions": library_versions()})
     serve(end, {name: getattr(worker, name) for name in
-                ("setup", "draw", "reference", "compare", "warm", "prepare", "time", "state")}, error_reply)
+                ("setup", "draw", "reference", "compare", "warm", "prepare", "restore", "time", "state")},
+          error_reply)
     return 0
 
 

@@ -83,8 +83,9 @@ class TimingConfig:
     pool_bytes: int | None = None  # default: 2x the GPU's L2 (on a CPU: 2 sets, nothing is flushed)
     max_pool_sets: int = 1024
     flush_l2: bool = True
-    # Share of rounds whose outputs go to check_round (+ the first and the last). A candidate
-    # wrong in half its calls escapes 30 rounds with p = 0.006 (verdict.escape_probability).
+    # Share of timed candidate calls whose outputs are re-checked (+ the first and last
+    # rounds'; the in-process engine: of rounds). A candidate wrong in half its calls escapes
+    # the judge's 30 rounds (60 calls) with p = 3.5e-5 (verdict.escape_probability).
     recheck_fraction: float = 0.25
     keep_samples: bool = False  # keep every call's raw clocks in the run (for studying noise)
     # Tests only: script(name, round) -> ms replaces each timed call's measured clocks, so
@@ -147,7 +148,7 @@ class TimingRun:
     pool_bytes: int
     flush_bytes: int
     cover_ms: float | None  # GPU sleep before each call, so the host can enqueue it in time
-    rechecked_rounds: int  # rounds whose outputs went to check_round
+    rechecked_rounds: int  # calls re-checked (the judge: each of a round's two candidate calls; in-process: rounds)
     sync_overhead_ms: float | None  # median cost of the device-wide end event (GPU only)
     profile: dict[str, CallProfile] = field(default_factory=dict)
     warmup_calls: dict[str, int] = field(default_factory=dict)
@@ -406,6 +407,16 @@ def call_timer(device: DeviceInfo, flush_l2: bool = True, judged: bool = False) 
     different processes take turns on it) while the worker launches the call: the window
     starts when the judge's sleep ends, and no stream of the worker can start earlier."""
     return _CudaCallTimer(device, flush_l2, judged) if device.is_cuda else _HostCallTimer()
+
+
+def wake_host() -> None:
+    """Two tiny CPU tensor ops, run by both of the judge's workers right before each timed
+    call. A worker continued after a stop pays for its first torch op: on a 2-core CPU
+    30-90 us against 8-10 us for the next one; run alike on both sides, the timed calls
+    start from the same state. (On a GPU they launch nothing; any work a patched torch
+    did here would be inside the judge's clock, as `prepare` is.)"""
+    for _ in range(2):
+        torch.ones(4).add_(1)
 
 
 def null_call(_inputs: InputSet) -> None:
