@@ -1,7 +1,7 @@
 """Gate 2's bias check: every problem against itself, as `kforge eval` judges a candidate.
 
     python scripts/identity_sample.py KERNELBENCH_DIR OUT [--every 4] [--offset 0] [--levels 1,2,3] [--budget 2]
-                                      [--only 21_Sigmoid,89_cumsum] [--placements 3]
+                                      [--only 21_Sigmoid,89_cumsum]
 
 For every `--every`-th problem file of each KernelBench level (KERNELBENCH_DIR/level1...,
 files unchanged), the candidate is the same file with `Model` renamed `ModelNew`: the
@@ -49,8 +49,6 @@ def main() -> int:
     parser.add_argument("--offset", type=int, default=0, help="start at this file of each level (0: the first)")
     parser.add_argument("--levels", default="1,2,3")
     parser.add_argument("--budget", type=float, default=2.0, help="gate 2's time budget per problem (s)")
-    parser.add_argument("--placements", type=int, default=TimingConfig.placements,
-                        help="model copies each side rotates over gate 2's rounds")
     parser.add_argument("--only", default="", help="only these problems of the sample (file names without .py)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -62,7 +60,7 @@ def main() -> int:
         for level, problem in sample(args.kernelbench, levels, args.every, only, args.offset):
             started = time.perf_counter()
             record = evaluate_isolated(problem, identity_candidate(problem, Path(folder)),
-                                       timing=TimingConfig(budget_s=args.budget, placements=args.placements), remeasure_above=None,
+                                       timing=TimingConfig(budget_s=args.budget), remeasure_above=None,
                                        limits=StageLimits(load_s=180, gate1_s=180, gate2_s=args.budget + 120),
                                        command=f"identity sample: level{level}/{problem.name}")
             append_record(store, record)

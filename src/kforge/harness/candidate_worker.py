@@ -59,11 +59,7 @@ class CandidateWorker:
 
         self.candidate = load_candidate(self.job["candidate"])
         init = clone_arguments(rebuild(self.job["init"], self.arena))  # its own copies, not the arena's
-        # ModelNew built as many times as the reference (the judge rotates the copies over
-        # gate 2's rounds); gate 1 calls the first.
-        self.models = [self.candidate.build(init, self.job["init_seed"], self.dev)
-                       for _ in range(max(1, int(self.job.get("placements", 1))))]
-        self.model = self.models[0]
+        self.model = self.candidate.build(init, self.job["init_seed"], self.dev)
         self.timer = call_timer(self.device, flush_l2=False, judged=True)  # the judge flushes (judge.Judge._rest)
         return {}
 
@@ -82,8 +78,7 @@ class CandidateWorker:
         self.prepare()
         with torch.no_grad():
             while True:
-                model = self.models[count % len(self.models)]
-                self.timer.run_untimed(lambda _: self.candidate.run(model, self._feed(), self.dev), ())
+                self.timer.run_untimed(lambda _: self.candidate.run(self.model, self._feed(), self.dev), ())
                 count += 1
                 if started is None:
                     started = time.perf_counter()
@@ -108,15 +103,13 @@ class CandidateWorker:
         synchronize(self.dev)
         return {}
 
-    def time(self, box: int = 0, copy: int = 0) -> dict:
-        """One timed call of model copy `copy` on what `prepare` left; its outputs into
-        mailbox `box`."""
+    def time(self, box: int = 0) -> dict:
+        """One timed call on what `prepare` left; its outputs into mailbox `box`."""
         self.mailbox = self.mailboxes[box]
-        model = self.models[copy % len(self.models)]
         feed = self._feed()
         wake_host()
         with torch.no_grad():
-            clocks, out = self.timer.time_call(lambda _: model(*feed), ())
+            clocks, out = self.timer.time_call(lambda _: self.model(*feed), ())
         return {"clocks": list(clocks), **self._export(out)}
 
     def _feed(self) -> list:

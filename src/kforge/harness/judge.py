@@ -218,8 +218,7 @@ class Judge:
         self._await_candidate_hello()
         self._enter("load")
         setup = self._ask_reference({"op": "setup", "init_seed": derive_seed(self.seed, "init"),
-                                     "probe_seed": derive_seed(self.seed, "probe"),
-                                     "placements": self.timing.placements})
+                                     "probe_seed": derive_seed(self.seed, "probe")})
         self.setup = setup
         self.problem_meta = setup["problem"]
         self._ask_candidate({"op": "setup", **self._candidate_job(setup)})
@@ -339,7 +338,6 @@ class Judge:
             null = self._ask_reference({"op": "time", "null": True})
             raw["null"].append(scripted(config, "null", rounds, _clocks(null.get("clocks"), "null")))
             order = ["reference", "candidate", AA, BB] if self.rng.random() < 0.5 else ["candidate", "reference", BB, AA]
-            copy = rounds % config.placements  # each side's model copies in turn (TimingConfig.placements)
             claims: list[dict] = []
             for name in order:
                 if name in ("candidate", BB):
@@ -347,12 +345,12 @@ class Judge:
                         self._ask_reference({"op": "restore"})
                     self._ask_candidate({"op": "prepare"})
                     prepared_ms = self.wall_ms
-                    reply = self._ask_candidate({"op": "time", "box": len(claims), "copy": copy}, timed=True)
+                    reply = self._ask_candidate({"op": "time", "box": len(claims)}, timed=True)
                     claims.append(_claims(reply))
                 else:
                     self._ask_reference({"op": "prepare"})
                     prepared_ms = self.wall_ms
-                    reply = self._ask_reference({"op": "time", "copy": copy}, timed=True)
+                    reply = self._ask_reference({"op": "time"}, timed=True)
                 clocks = _clocks(reply.get("clocks"), name)
                 if name in ("candidate", BB) and max(clocks) <= 0:
                     raise Ended("rejected", "the candidate's worker claimed a call that took no time: its timings "
@@ -365,10 +363,9 @@ class Judge:
             stop_reason = stopper.check(raw, rounds)
             # Which of the round's two candidate calls are re-checked is drawn now, after both
             # replies, from a source its process cannot read; each output waits in a mailbox
-            # of its own. The inputs are checked after the last call that had them. The first
-            # round on each model copy is always checked.
+            # of its own. The inputs are checked after the last call that had them.
             for box, claim in enumerate(claims):
-                if rounds <= config.placements or stop_reason or self.rng.random() < config.recheck_fraction:
+                if rounds == 1 or stop_reason or self.rng.random() < config.recheck_fraction:
                     rechecked += 1
                     result = self._ask_reference({"op": "compare", **claim, "box": box,
                                                   "inputs": box == len(claims) - 1 or not mutates})["comparison"]
@@ -659,7 +656,7 @@ class Judge:
     def _candidate_job(self, setup: dict) -> dict:
         return dict(candidate=str(self.candidate), device=self.hello["device"]["kind"], arena=setup["arena"],
                     init=setup["init"], inputs=setup["inputs"], mailboxes=setup["mailboxes"],
-                    init_seed=derive_seed(self.seed, "init"), placements=self.timing.placements,
+                    init_seed=derive_seed(self.seed, "init"),
                     forbidden_ops=setup["forbidden_ops"], own_inputs=not setup.get("mutates_inputs", False))
 
     def _kill_candidate(self) -> int | None:

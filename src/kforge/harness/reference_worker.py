@@ -61,21 +61,15 @@ class ReferenceWorker:
 
     # --- setup -----------------------------------------------------------------------------
 
-    def setup(self, init_seed: int, probe_seed: int, placements: int = 1) -> dict:
+    def setup(self, init_seed: int, probe_seed: int) -> dict:
         job = self.job
         problem = self.problem = load_problem(job["problem"], job["size"])
         init_inputs = problem.init_inputs(init_seed, self.dev)
-        # The reference built `placements` times under one seed: gate 2 rotates the copies
-        # over its rounds (TimingConfig.placements); gate 1 uses the first.
-        built = [problem.build_reference(init_inputs, init_seed, self.dev) for _ in range(max(1, placements))]
-        model = built[0]
-        self.models = built
+        model = problem.build_reference(init_inputs, init_seed, self.dev)
+        self.model = model
         if job["baseline"] == "compile":
-            self.models = [call_user(torch.compile, m, error=ProblemError,
-                                     stage="torch.compile of the reference failed", user_file=problem.path)
-                           for m in built]
-        self.built = built
-        self.model = self.models[0]
+            self.model = call_user(torch.compile, model, error=ProblemError,
+                                   stage="torch.compile of the reference failed", user_file=problem.path)
         with torch.no_grad():
             probe_inputs = problem.make_inputs(probe_seed, self.dev)
             probe_copy = clone_arguments(probe_inputs)
@@ -172,8 +166,7 @@ class ReferenceWorker:
         with torch.no_grad():
             while True:
                 self.mine = clone_arguments(self.pristine)
-                model = self.models[count % len(self.models)]
-                host_ms.append(self.timer.run_untimed(lambda _: self.problem.run_reference(model, self.mine), ()))
+                host_ms.append(self.timer.run_untimed(lambda _: self.problem.run_reference(self.model, self.mine), ()))
                 count += 1
                 if started is None:  # the first call compiles; the warm-up clock starts after it
                     started = time.perf_counter()
@@ -198,14 +191,13 @@ class ReferenceWorker:
         synchronize(self.dev)
         return {}
 
-    def time(self, null: bool = False, copy: int = 0) -> dict:
+    def time(self, null: bool = False) -> dict:
         with torch.no_grad():
             if null:
                 clocks, _ = self.timer.time_call(null_call, ())
             else:
-                model = self.models[copy % len(self.models)]
                 wake_host()
-                clocks, self.out = self.timer.time_call(lambda _: model(*self.mine), ())
+                clocks, self.out = self.timer.time_call(lambda _: self.model(*self.mine), ())
                 for twin, t in zip(self.twin, [t for t in flatten_outputs(self.out) if isinstance(t, torch.Tensor)]):
                     twin.copy_(t)
                 [digest(twin) for twin in self.twin]  # noqa: B018  (the candidate's worker digests its mailbox)
@@ -238,8 +230,8 @@ class ReferenceWorker:
             "trace_hook": sys.gettrace() is not None,
             # parameters, not buffers: a forward may update its buffers itself (BatchNorm's
             # running statistics in training mode)
-            "parameters": _checksum([p for m in self.built for p in m.parameters()])
-            if all(isinstance(m, torch.nn.Module) for m in self.built) else None,
+            "parameters": _checksum(list(self.model.parameters()))
+            if isinstance(self.model, torch.nn.Module) else None,
         }
         return {k: json.dumps(v) for k, v in state.items()}
 

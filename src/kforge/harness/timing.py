@@ -80,11 +80,6 @@ class TimingConfig:
     max_reps: int = 10_000
     rse_target: float = 0.01  # then stop once std/sqrt(n)/mean is below this for every function
     budget_s: float = 10.0  # wall-clock budget for the timed rounds
-    # The judge's workers build their model this many times (same seed) and rotate the copies
-    # over the rounds: the same network at other addresses ran 3-13% apart when launch-bound
-    # (H200, benchmarks/results/nvidia-h200/placement-study.txt), a fixed effect for a run
-    # timed on one copy. The in-process engine times one.
-    placements: int = 3
     pool_bytes: int | None = None  # default: 2x the GPU's L2 (on a CPU: 2 sets, nothing is flushed)
     max_pool_sets: int = 1024
     flush_l2: bool = True
