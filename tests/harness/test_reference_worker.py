@@ -6,6 +6,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from conftest import FIXTURES
+from kforge.harness.correctness import describe_output
 from kforge.harness.reference_worker import ReferenceWorker
 
 
@@ -59,3 +60,35 @@ def test_running_out_of_memory_is_reported_as_such_not_as_a_bug():
     assert reply["kind"] == "oom"
     assert "ran out of memory" in reply["reason"] and "12.00 GiB" in reply["reason"]
     assert error_reply(ValueError("boom"))["error"]["kind"] == "crash"
+
+
+def _export(ref: ReferenceWorker, box: int, out: torch.Tensor) -> list[int]:
+    """What the candidate's worker does after a timed call: its output into mailbox `box`."""
+    from kforge.harness.shared import digest
+
+    ref.mailboxes[box][0].copy_(out)
+    return [digest(slot) for slot in ref.mailboxes[box]]
+
+
+def test_each_mailbox_is_compared_on_its_own_and_a_bad_box_is_refused(tmp_path):
+    ref = worker(tmp_path)
+    ref.draw(seed=3)
+    ref.reference()
+    right, claims = ref.out, describe_output(ref.out)  # what the candidate's worker claims
+    first = _export(ref, 0, torch.zeros_like(right))  # the round's first call: wrong
+    second = _export(ref, 1, right)  # its second: right
+    assert ref.compare(claims, second, box=1)["comparison"]["ok"]
+    failed = ref.compare(claims, first, box=0)["comparison"]
+    assert not failed["ok"] and failed["failure"] == "values", failed
+    # a digest of one box does not vouch for the other, and a box that is not there fails
+    assert ref.compare(claims, second, box=0)["comparison"]["failure"] == "late_output"
+    assert ref.compare(claims, second, box=2)["comparison"]["failure"] == "structure"
+
+
+def test_restore_writes_the_rounds_inputs_back_into_the_arena(tmp_path):
+    ref = worker(tmp_path)
+    ref.draw(seed=3)
+    ref.slot[0].mul_(2)  # what a call on the arena's views of a mutating problem leaves
+    assert not torch.equal(ref.slot[0], ref.pristine[0])
+    ref.restore()
+    assert torch.equal(ref.slot[0], ref.pristine[0])

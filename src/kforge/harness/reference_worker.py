@@ -145,8 +145,8 @@ class ReferenceWorker:
         with `inputs`, its inputs (the arena's copy must be as the reference left its own:
         the judge asks only after the candidate's last call on them) checked here. The
         mailbox must still hold what the worker digested when it replied."""
-        mailbox = self.mailboxes[box] if box in range(MAILBOXES) else []
-        if not (isinstance(digests, list) and mailbox and len(digests) == len(mailbox)
+        mailbox = self.mailboxes[box] if type(box) is int and box in range(MAILBOXES) else None
+        if not (mailbox is not None and isinstance(digests, list) and len(digests) == len(mailbox)
                 and all(type(d) is int for d in digests)):
             result = Comparison(ok=False, failure="structure",
                                 reason="the candidate's worker did not say what its mailbox holds")
