@@ -37,7 +37,7 @@ def gated_gelu_residual_kernel(x_ptr, gate_ptr, residual_ptr, out_ptr, numel, BL
     x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     residual = tl.load(residual_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-    gelu = x * tl.sigmoid(GELU_SCALE * (x + 0.044715 * x * x * x))
+    gelu = x * tl.sigmoid((x + 0.044715 * x * x * x) * GELU_SCALE)
     tl.store(out_ptr + offs, (residual + tl.sigmoid(gate) * gelu).to(out_ptr.dtype.element_ty), mask=inside)
 
 
