@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import codegen_of_triton_3_6
 from kforge.kernels.quant import nvfp4_gemv
 from kforge.kernels.quant.formats import dequantize_nvfp4, e2m1_decode, pack_nibbles, quantize_nvfp4
 from kforge.kernels.quant.nvfp4_gemv import (CONFIGS, check_nvfp4_gemv_inputs, nvfp4_batched_gemv,
@@ -250,6 +251,7 @@ def _compile_sm90(which: str) -> dict:
 
 
 @pytest.mark.slow
+@codegen_of_triton_3_6
 def test_default_tile_compiles_for_sm90_as_designed():
     (kernel,) = _compile_sm90("defaults").values()
     # 16-byte loads of a's words, no spills, no int -> float conversion (codes are read as floats),
@@ -262,6 +264,7 @@ def test_default_tile_compiles_for_sm90_as_designed():
 
 
 @pytest.mark.slow
+@codegen_of_triton_3_6
 def test_every_tile_compiles_for_sm90_in_shared_memory_without_spills():
     found = _compile_sm90("every")
     assert len(found) == len(CONFIGS)

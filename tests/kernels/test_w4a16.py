@@ -21,6 +21,7 @@ import pytest
 import torch
 import triton
 
+from conftest import codegen_of_triton_3_6
 from kforge.kernels.quant import w4a16
 from kforge.kernels.quant.formats import dequantize_int4, pack_nibbles, quantize_int4, unpack_int4
 from kforge.kernels.quant.w4a16 import (GEMV_CONFIGS, GEMV_LANE_WORK_LIMIT, MMA_CONFIGS, _gemv_configs_for,
@@ -283,6 +284,7 @@ def _compile_sm90(which: str) -> dict:
 
 
 @pytest.mark.slow
+@codegen_of_triton_3_6
 def test_default_tiles_compile_for_sm90_as_designed():
     found = _compile_sm90("defaults")
     for label, kernel in found.items():
