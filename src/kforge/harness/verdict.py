@@ -11,7 +11,7 @@ order), on one fresh input set. Each round gives a speedup and two control ratio
 Two calls a side, alternating, give both workers the same rhythm: each call follows one
 call of the other side. With the reference timed twice and the candidate once, the
 reference's worker ran three times as often and its host caches stayed warmer: an
-identity candidate read 0.53-0.66x on a 2-core CPU, 0.98-1.02x with the balanced round.
+identity candidate read 0.53-0.66x on a 2-core CPU, 0.95-1.02x with the balanced round.
 (Where only one candidate call is timed a round, the in-process engine, ratio_i is
 reference_i / candidate_i.)
 
