@@ -1,7 +1,7 @@
 """Gate 2's bias check: every problem against itself, as `kforge eval` judges a candidate.
 
     python scripts/identity_sample.py KERNELBENCH_DIR OUT [--every 4] [--offset 0] [--levels 1,2,3] [--budget 2]
-                                      [--only 21_Sigmoid,89_cumsum]
+                                      [--only 21_Sigmoid,89_cumsum] [--worker-cpu auto|none|N]
 
 For every `--every`-th problem file of each KernelBench level (KERNELBENCH_DIR/level1...,
 files unchanged), the candidate is the same file with `Model` renamed `ModelNew`: the
@@ -50,17 +50,21 @@ def main() -> int:
     parser.add_argument("--levels", default="1,2,3")
     parser.add_argument("--budget", type=float, default=2.0, help="gate 2's time budget per problem (s)")
     parser.add_argument("--only", default="", help="only these problems of the sample (file names without .py)")
+    parser.add_argument("--worker-cpu", default="auto", help="the CPU both workers are held to: auto, none or N")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     store = args.out / "identity-sample.jsonl"
     levels = [int(x) for x in args.levels.split(",")]
+    worker_cpu = None if args.worker_cpu == "none" else args.worker_cpu if args.worker_cpu == "auto" \
+        else int(args.worker_cpu)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         only = {name for name in args.only.split(",") if name}
         for level, problem in sample(args.kernelbench, levels, args.every, only, args.offset):
             started = time.perf_counter()
             record = evaluate_isolated(problem, identity_candidate(problem, Path(folder)),
-                                       timing=TimingConfig(budget_s=args.budget), remeasure_above=None,
+                                       timing=TimingConfig(budget_s=args.budget, worker_cpu=worker_cpu),
+                                       remeasure_above=None,
                                        limits=StageLimits(load_s=180, gate1_s=180, gate2_s=args.budget + 120),
                                        command=f"identity sample: level{level}/{problem.name}")
             append_record(store, record)

@@ -179,3 +179,22 @@ def test_stage_timeout_ends_a_hang_in_any_stage_naming_it(cli, write, tmp_path, 
 def test_stage_timeout_cannot_be_used_in_process(cli):
     result = cli("eval", ADD, ADD, "--stage-timeout", "3", "--in-process")
     assert result.returncode == 2 and "--stage-timeout needs a worker" in result.stderr
+
+
+@pytest.mark.parametrize("value, message", [
+    ("fast", "--worker-cpu takes auto, none or a CPU number, not 'fast'"),
+    ("100000", "worker CPU 100000 is not one this process may use"),
+])
+def test_a_worker_cpu_that_cannot_be_used_is_a_one_line_error(cli, value, message):
+    result = cli("eval", ADD, ADD, "--worker-cpu", value)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_worker_cpu_reaches_the_record(cli):
+    cpu = max(os.sched_getaffinity(0))
+    candidate = FIXTURES / "candidates" / "held_to_one_cpu.py"  # fails unless its worker is on one CPU
+    result = cli("eval", ADD, candidate, "--worker-cpu", str(cpu), "--time-budget", "0.3", "--json", "--no-save")
+    record = json.loads(result.stdout)
+    assert record["gate1"]["passed"], record["reason"]
+    assert record["gate2"]["worker_cpus"] == [cpu], record["reason"]

@@ -179,6 +179,19 @@ MIN_SPEEDUP_HELP = ("The bar the lower end of the speedup's 95% interval must cl
                     "(default: 1 + the noise floor the A/A rounds measure, at least 1%).")
 
 
+WORKER_CPU_HELP = ("The CPU both workers are held to on a GPU: auto (one per GPU, from the top), a CPU number, or "
+                   "none (free to move: launch-bound calls then time differently from run to run).")
+
+
+def worker_cpu_setting(text: str) -> int | str | None:
+    """--worker-cpu as TimingConfig.worker_cpu."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    if not text.isdigit():
+        raise KforgeError(f"--worker-cpu takes auto, none or a CPU number, not {text!r}")
+    return int(text)
+
+
 def stage_limits(stage_timeout: float | None, time_budget: float):
     """--stage-timeout as the judge's stage limits (None: the judge's defaults)."""
     from kforge.harness.isolation import StageLimits
@@ -204,6 +217,7 @@ def eval_command(
     time_budget: float = typer.Option(10.0, min=0.1, help="Seconds of timed rounds at most (gate 2)."),
     stage_timeout: float = typer.Option(None, min=1.0, help=STAGE_TIMEOUT_HELP, show_default=False),
     min_speedup: float = typer.Option(None, min=0.0, help=MIN_SPEEDUP_HELP, show_default=False),
+    worker_cpu: str = typer.Option("auto", help=WORKER_CPU_HELP),
     size: Size = typer.Option(None, help="Problem size: full, tiny (its tiny_sizes) or auto. "
                               "Default: full on a GPU, auto on a CPU.", show_default=False),
     seed: int = typer.Option(None, help="Run seed, to reproduce a run (default: secret and random; "
@@ -230,7 +244,8 @@ def eval_command(
     from kforge.views import eval_view
 
     results = results or default_results("kforge-results.jsonl")
-    options = dict(baseline=baseline.value, trials=trials, timing=TimingConfig(budget_s=time_budget),
+    options = dict(baseline=baseline.value, trials=trials,
+                   timing=TimingConfig(budget_s=time_budget, worker_cpu=worker_cpu_setting(worker_cpu)),
                    size=size.value if size else None, command=shlex.join(["kforge", *sys.argv[1:]]),
                    min_speedup=min_speedup)
     if seed is not None and not in_process:
@@ -317,6 +332,7 @@ def suite_command(
     size: Size = typer.Option(None, help="Problem size (default: full on a GPU, auto on a CPU).", show_default=False),
     stage_timeout: float = typer.Option(None, min=1.0, help=STAGE_TIMEOUT_HELP, show_default=False),
     min_speedup: float = typer.Option(None, min=0.0, help=MIN_SPEEDUP_HELP, show_default=False),
+    worker_cpu: str = typer.Option("auto", help=WORKER_CPU_HELP),
     json_output: bool = typer.Option(False, "--json", help="Print the scores and rows as JSON."),
     require_fast_1: float = typer.Option(None, "--require-fast-1", min=0.0, max=1.0, help="For CI: exit 0 when "
                                          "fast_1 (the share of pairs correct and faster than the baseline) is at "
@@ -361,6 +377,7 @@ def suite_command(
     if resume and not results.is_file():
         raise KforgeError(f"nothing to resume: {results} does not exist")
     pairs = _suite_pairs(problems, solutions, only)
+    cpu_setting = worker_cpu_setting(worker_cpu)
     runner = _ray_executor(executor, gpus, address, ray_resources, mix_devices) or LocalExecutor(*_slots(gpus))
     store = ResultStore(results)
     baselines = ["eager", "compile"] if baseline is SuiteBaseline.both else [baseline.value]
@@ -382,7 +399,7 @@ def suite_command(
         task = progress.add_task("suite", total=len(pairs) * len(baselines))
         device_name = runner.device_name  # on Ray: a task on each node reports its device
         for against in baselines:
-            options = dict(baseline=against, timing=TimingConfig(budget_s=time_budget),
+            options = dict(baseline=against, timing=TimingConfig(budget_s=time_budget, worker_cpu=cpu_setting),
                            size=size.value if size else None, min_speedup=min_speedup,
                            limits=stage_limits(stage_timeout, time_budget))
             summaries[against] = run_suite(

@@ -464,3 +464,50 @@ def test_make_undumpable():
         print(json.dumps([before, prctl(3, 0, 0, 0, 0)]))
     """)
     assert result == [1, 0]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: every thread is on it")
+def test_strays_are_the_threads_off_the_given_cpus():
+    import threading
+
+    allowed = sorted(os.sched_getaffinity(0))
+    parked = threading.Event()
+    ids: list[int] = []
+
+    def park():
+        ids.append(threading.get_native_id())
+        parked.wait(10)
+
+    thread = threading.Thread(target=park)
+    thread.start()
+    while not ids:
+        time.sleep(0.01)
+    try:
+        assert containment.strays([os.getpid()], allowed) == []
+        os.sched_setaffinity(ids[0], allowed[:1])
+        assert containment.strays([os.getpid()], allowed) == [ids[0]]
+        assert os.getpid() in containment.strays([os.getpid()], allowed[:1]), "the main thread is on all of them"
+        assert containment.strays([2**22 + 7], allowed) == [], "a process that is gone has no threads"
+    finally:
+        parked.set()
+        thread.join()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: every thread is on it")
+def test_pin_holds_threads_already_running_and_those_started_after():
+    cpu = max(os.sched_getaffinity(0))
+    script = textwrap.dedent(f"""
+        import os, threading, time
+        from kforge.harness import containment
+        stop = threading.Event()
+        early = threading.Thread(target=stop.wait); early.start()
+        containment.pin([{cpu}])
+        late = threading.Thread(target=stop.wait); late.start()
+        time.sleep(0.05)
+        print(sorted({{tuple(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}}),
+              len(os.listdir("/proc/self/task")))
+        stop.set()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    held, threads = out.split()
+    assert held == f"[({cpu},)]" and int(threads) >= 3, out  # the main thread, early and late

@@ -148,6 +148,40 @@ def test_a_reference_that_changes_its_inputs_gets_them_back_for_the_candidates_s
     assert set(record.gate2["ratios"]) == {"candidate", "reference_aa", "candidate_bb"}
 
 
+def last_cpu() -> int:
+    return max(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nowhere else to move")
+def test_2c_both_workers_are_held_to_the_cpu_the_judge_gives_them(judge):
+    # The judge pins both workers to one CPU on a GPU (worker_cpu "auto"); asked for a CPU
+    # number, it does the same here. The candidate fails unless all its threads are there.
+    record = judge("held_to_one_cpu", timing=TimingConfig(budget_s=0.5, worker_cpu=last_cpu()))
+    assert record.status in CORRECT, record.reason
+    assert record.gate2["worker_cpus"] == [last_cpu()]
+    free = judge("held_to_one_cpu", timing=TimingConfig(budget_s=0.5, worker_cpu=None))
+    assert free.status == "candidate_error" and "not one CPU" in free.reason, free.reason
+    assert free.gate1 is None or not free.gate1["passed"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nowhere else to move")
+@pytest.mark.parametrize("candidate, whose", [("judge_moves_cpu", "the candidate's worker"),
+                                              ("judge_moves_reference", "the reference's worker")])
+def test_2c_a_worker_moved_off_its_cpu_is_rejected(judge, candidate, whose):
+    record = judge(candidate, timing=TimingConfig(budget_s=0.5, worker_cpu=last_cpu()))
+    assert record.status == "rejected", record.reason
+    assert record.defences == ["cpu_affinity"], record.defences
+    assert record.reason.startswith(f"{whose} was moved off CPU {last_cpu()}"), record.reason
+
+
+def test_a_worker_cpu_this_process_may_not_use_is_refused_up_front():
+    from kforge.errors import KforgeError
+
+    with pytest.raises(KforgeError, match="worker CPU 100000 is not one this process may use"):
+        evaluate_isolated(FIXTURES / "problems" / "add.py", FIXTURES / "candidates" / "identity_vector_add.py",
+                          timing=TimingConfig(worker_cpu=100_000))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("candidate", [
     "judge_forge_clock",  # time.perf_counter_ns patched: the timer's second read is frozen

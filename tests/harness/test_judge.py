@@ -2,6 +2,8 @@
 
 import pytest
 
+from kforge.errors import KforgeError
+
 from kforge.harness.evaluate import AA
 from kforge.harness.judge import NOISE_Z, ClaimsCheck, Ended, _claims, _clocks, median_difference_error
 
@@ -57,3 +59,30 @@ def test_claims_are_forwarded_only_as_strict_json_of_a_sane_size(outputs):
         _claims({"outputs": outputs, "digests": [1]})
     assert ended.value.status == "crash"
     assert _claims({"outputs": {"value": 1}, "digests": [3]}) == {"claims": {"value": 1}, "digests": [3]}
+
+
+def test_worker_cpus_auto_gives_each_gpus_judge_its_own_cpu_from_the_top(monkeypatch):
+    from kforge.harness import judge
+
+    monkeypatch.setattr(judge.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert judge.worker_cpus("auto", None, on_gpu=True) == [3]
+    assert [judge.worker_cpus("auto", gpu, on_gpu=True) for gpu in range(5)] == [[3], [2], [1], [3], [2]], \
+        "CPU 0 is never taken; more GPUs than CPUs wrap around"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # as Ray sets it: the physical id decides
+    assert judge.worker_cpus("auto", None, on_gpu=True) == [1]
+    assert judge.worker_cpus("auto", 0, on_gpu=True) == [3], "an explicit GPU index wins"
+    assert judge.worker_cpus("auto", 0, on_gpu=False) is None, "a CPU device's problems want every core"
+    assert judge.worker_cpus(None, 0, on_gpu=True) is None
+    assert judge.worker_cpus(2, 0, on_gpu=False) == [2]
+    with pytest.raises(KforgeError, match=r"worker CPU 7 is not one this process may use \(0-3\)"):
+        judge.worker_cpus(7, 0, on_gpu=True)
+    monkeypatch.setattr(judge.os, "sched_getaffinity", lambda pid: {5})
+    assert judge.worker_cpus("auto", 0, on_gpu=True) is None, "one CPU: nothing to choose"
+
+
+def test_cpu_ranges_read_as_a_person_writes_them():
+    from kforge.harness.judge import _ranges
+
+    assert _ranges([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
+    assert _ranges([5]) == "5"

@@ -16,6 +16,11 @@ cannot write outside its folders or reach into the judge; the judge walks the tr
                               it exits (start workers from a thread that outlives them). Not
                               inherited by the worker's own children.
     descendants       judge   every live process below a pid, read from /proc.
+    pin               workers hold every thread of this process (and all it starts) to
+                              a CPU set.
+    strays            judge   the threads of given processes not held to a CPU set (both
+                              workers are pinned to the same CPU on a GPU: the judge checks
+                              that neither was moved, sched_setaffinity being open to all).
     kill_tree         warden  SIGKILL the worker, everything below it and (as a subreaper)
                               every orphan re-parented to the warden, until none is left.
     confine           worker  no_new_privs and a Landlock domain on itself and all it starts:
@@ -240,6 +245,30 @@ def _tree(pid: int) -> list[int]:
 def descendants(pid: int | None = None) -> list[int]:
     """Every live descendant of `pid` (default: this process), never `pid` itself."""
     return [child for child in _tree(os.getpid() if pid is None else pid) if alive(child)]
+
+
+def pin(cpus: Collection[int]) -> None:
+    """Hold every thread of this process, and so all it starts, to `cpus`."""
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+def strays(pids: Iterable[int], cpus: Collection[int]) -> list[int]:
+    """The threads of `pids` whose CPU affinity is not exactly `cpus`."""
+    wanted = set(cpus)
+    found = []
+    for pid in pids:
+        try:
+            tasks = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+        except OSError:  # exited
+            continue
+        for tid in tasks:
+            try:
+                if os.sched_getaffinity(tid) != wanted:
+                    found.append(tid)
+            except OSError:
+                pass
+    return found
 
 
 def signal_all(pids: Iterable[int], sig: int) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kforge.harness.evaluate import MIN_TRIALS, check_arguments
-from kforge.harness.judge import Judge, StageLimits
+from kforge.harness.judge import Judge, StageLimits, worker_cpus
 from kforge.harness.record import EvalRecord
 from kforge.harness.roofline import Ceilings
 from kforge.harness.timing import TimingConfig
@@ -57,6 +57,7 @@ def evaluate_isolated(
     measured noise floor).
     """
     check_arguments(problem, candidate, baseline, trials, size, min_speedup)
+    worker_cpus((timing or TimingConfig()).worker_cpu, gpu, on_gpu=False)  # a CPU it may not use: say so now
 
     def run() -> EvalRecord:
         return Judge(Path(problem).resolve(), Path(candidate).resolve(), baseline=baseline, trials=trials,

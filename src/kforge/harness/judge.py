@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kforge.errors import KforgeError
 from kforge.harness import containment
 from kforge.harness.channel import Channel, ChannelError
 from kforge.harness.evaluate import (AA, BB, STATUS_OF_DEFENCE, decided_by, derive_seed, exposed_seeds, gate2_fields,
@@ -136,6 +137,38 @@ def median_difference_error(samples: list[float], n: int) -> float:
     return math.sqrt(2.0 / n) * 1.2533 * (q3 - q1) / 1.349
 
 
+def worker_cpus(setting: int | str | None, gpu: int | None, on_gpu: bool) -> list[int] | None:
+    """The CPU both workers are held to (`TimingConfig.worker_cpu`), or None.
+
+    A launch-bound call is as fast as the CPU that launches it, and the CPUs of a virtual
+    machine are not alike: two processes of the same network, free to move or on two
+    CPUs, timed 0.6-1.7x each other; on one shared CPU 0.98-1.05x (H200 VM, 16 vCPUs,
+    2026-11-28). The workers never run at once (each is stopped outside its commands), so
+    one CPU serves both without contention. "auto" takes one per GPU index from the top of
+    this process's CPUs (the lowest are where a host keeps its housekeeping), none on a
+    CPU device, whose problems want every core they can get."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if setting is None or (setting == "auto" and (not on_gpu or len(allowed) < 2)):
+        return None
+    if setting == "auto":  # judges of other GPUs on this host get other CPUs (Ray's too: by physical id)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        slot = gpu if isinstance(gpu, int) else int(visible) if visible.isdigit() else 0
+        return [allowed[len(allowed) - 1 - slot % (len(allowed) - 1)]]
+    if setting not in allowed:
+        raise KforgeError(f"worker CPU {setting} is not one this process may use ({_ranges(allowed)})")
+    return [setting]
+
+
+def _ranges(cpus: list[int]) -> str:
+    spans: list[list[int]] = []
+    for cpu in cpus:
+        if spans and cpu == spans[-1][1] + 1:
+            spans[-1][1] = cpu
+        else:
+            spans.append([cpu, cpu])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
 class Ended(Exception):
     """The evaluation ends early with this record's status and reason."""
 
@@ -178,6 +211,7 @@ class Judge:
     min_speedup: float | None = None  # the bar for "passed" (default: 1 + the measured noise floor)
 
     def run(self) -> EvalRecord:
+        self.cpus = worker_cpus(self.timing.worker_cpu, self.gpu, _cuda_available())
         self.seed = secrets.randbits(63)
         self.rng = secrets.SystemRandom()
         self.stage = "start"
@@ -387,6 +421,7 @@ class Judge:
             warmup_calls={"reference": int(_number(warm.get("calls"))),
                           "candidate": int(_number(cand_warm.get("calls")))},
             wall_s=time.perf_counter() - t0,
+            worker_cpus=self.cpus,
             per_call=per_call,
         )
         return run, gaps, ClaimsCheck.for_device(cuda)
@@ -457,7 +492,22 @@ class Judge:
             self._stop_candidate()
         if "error" in reply:
             self._raise_candidate_error(reply["error"])
+        if timed:
+            self._check_cpus()
         return reply
+
+    def _check_cpus(self) -> None:
+        """Both workers still on the CPU they were given: any process of the same user may
+        move any other (sched_setaffinity), and a faster CPU is a faster launch-bound call."""
+        if self.cpus is None:
+            return
+        for tree, whose in ((self._candidate_tree(), "the candidate's worker"),
+                            (self._reference_tree(), "the reference's worker")):
+            moved = containment.strays(tree, self.cpus)
+            if moved:
+                raise Ended("rejected", f"{whose} was moved off CPU {self.cpus[0]}, where the judge holds both "
+                                        f"workers (threads {', '.join(map(str, moved[:5]))}): a call's speed "
+                                        "depends on its CPU", defences=("cpu_affinity",))
 
     def _raise_candidate_error(self, error) -> None:
         if not isinstance(error, dict) or error.get("kind") not in ("candidate_error", "oom", "cuda_error"):
@@ -569,7 +619,7 @@ class Judge:
         device_kind = "cuda" if _cuda_available() else "cpu"
         job = dict(problem=str(self.problem), size=self.size or ("full" if device_kind == "cuda" else "auto"),
                    device=device_kind, baseline=self.baseline, arena_file=str(self.arena_file),
-                   command_fd=command_fd, reply_fd=reply_fd)
+                   command_fd=command_fd, reply_fd=reply_fd, cpus=self.cpus)
         with open(log, "wb") as out:
             process = subprocess.Popen([sys.executable, "-m", "kforge.harness.reference_worker"],
                                        stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
@@ -624,7 +674,7 @@ class Judge:
         # own folders are elsewhere (shared.scratch_root).
         writable = [str(work), str(cache), str(self.arena_file), "/proc/self", "/dev/shm", *_device_files()]
         warden_job = dict(argv=[sys.executable, "-m", "kforge.harness.candidate_worker"], env=env, writable=writable,
-                          pass_fds=[command_fd, reply_fd], log=str(log),
+                          pass_fds=[command_fd, reply_fd], log=str(log), cpus=self.cpus,
                           worker_job={"command_fd": command_fd, "reply_fd": reply_fd})
         self.warden = subprocess.Popen([sys.executable, str(HARNESS / "warden.py")], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, pass_fds=(command_fd, reply_fd), env=env,

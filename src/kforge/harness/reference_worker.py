@@ -265,11 +265,13 @@ def error_reply(exc: Exception) -> dict:
 
 
 def main() -> int:
-    from kforge.harness.containment import die_with_parent, make_undumpable
+    from kforge.harness.containment import die_with_parent, make_undumpable, pin
 
     die_with_parent()
     make_undumpable()
     job = json.loads(sys.stdin.readline())
+    if job.get("cpus"):  # every thread now, and so every one started later
+        pin(job["cpus"])
     end = WorkerEnd(job["command_fd"], job["reply_fd"])
     import kforge  # noqa: F401  (chooses Triton's mode before anything imports triton)
     from kforge.device import library_versions

@@ -87,6 +87,11 @@ class TimingConfig:
     # rounds'; the in-process engine: of rounds). A candidate wrong in half its calls escapes
     # the judge's 30 rounds (60 calls) with p = 3.5e-5 (verdict.escape_probability).
     recheck_fraction: float = 0.25
+    # The CPU both workers of the judge are held to: "auto" (on a GPU, one CPU per GPU index;
+    # on a CPU device, none), a CPU number, or None. A launch-bound call's speed depends on
+    # the CPU it runs on: two processes of the same network, free or on two CPUs, differed by
+    # up to 40%; on one shared CPU by 0-5% (H200 VM, 16 vCPUs; docs/worklogs/harness.md).
+    worker_cpu: int | str | None = "auto"
     keep_samples: bool = False  # keep every call's raw clocks in the run (for studying noise)
     # Tests only: script(name, round) -> ms replaces each timed call's measured clocks, so
     # gate 2's logic runs on known timings (a shared CPU's real ones prove nothing).
@@ -97,6 +102,8 @@ class TimingConfig:
             raise ValueError("need 1 <= min_reps <= max_reps")
         if self.budget_s <= 0 or self.rse_target <= 0:
             raise ValueError("budget_s and rse_target must be positive")
+        if not (self.worker_cpu in ("auto", None) or (isinstance(self.worker_cpu, int) and self.worker_cpu >= 0)):
+            raise ValueError(f"worker_cpu must be 'auto', None or a CPU number, not {self.worker_cpu!r}")
 
 
 @dataclass
@@ -153,6 +160,7 @@ class TimingRun:
     profile: dict[str, CallProfile] = field(default_factory=dict)
     warmup_calls: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
+    worker_cpus: list[int] | None = None  # the CPUs the judge held both workers to (None: not held)
     samples: dict[str, list[Clocks]] | None = None  # raw clocks, when config.keep_samples
     per_call: dict[str, list[float]] = field(default_factory=dict, repr=False)  # each call's cost, round order
 

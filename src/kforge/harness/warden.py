@@ -11,8 +11,9 @@ the judge who survived. It never imports torch or kforge: it starts in milliseco
 holds nothing worth attacking.
 
 Job (first line on stdin, JSON): argv, env, writable, pass_fds, log (the worker's stdout
-and stderr). Replies on stdout: {"spawned": pid, "confinement": {...}} once, then
-{"survivors": [...], "exit": status} after each {"op": "kill"}.
+and stderr), cpus (the CPUs the worker is held to, or null). Replies on stdout:
+{"spawned": pid, "confinement": {...}} once, then {"survivors": [...], "exit": status}
+after each {"op": "kill"}.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def main() -> int:
 
     def confine_child() -> None:  # runs in the forked child, before exec
         os.close(report_read)
+        if job.get("cpus"):
+            containment.pin(job["cpus"])
         result = containment.confine(job["writable"])
         os.write(report_write, json.dumps(result.to_dict()).encode())
         os.close(report_write)
