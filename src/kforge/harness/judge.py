@@ -45,13 +45,14 @@ from pathlib import Path
 from kforge.errors import KforgeError
 from kforge.harness import containment
 from kforge.harness.channel import Channel, ChannelError
-from kforge.harness.evaluate import (AA, BB, STATUS_OF_DEFENCE, decided_by, derive_seed, exposed_seeds, gate2_fields,
+from kforge.harness.evaluate import (AA, BB, STATUS_OF_DEFENCE, derive_seed, exposed_seeds, gate2_fields,
                                      gate2_verdict, identity, pair_key, roofline_fields, speed_verdict)
 from kforge.harness.record import EvalRecord
 from kforge.harness.roofline import Ceilings, get_ceilings, roofline_for
 from kforge.harness.shared import scratch_root
-from kforge.harness.timing import (Clocks, StopRule, TimingConfig, TimingRun, TimingStats, call_profiles,
-                                   per_call_ms, scripted, sync_costs)
+from kforge.harness.timing import (CallProfile, Clocks, StopRule, TimingConfig, TimingRun, TimingStats,
+                                   call_profiles, per_call_ms, scripted, sync_costs)
+from kforge.harness.verdict import HOST_BOUND_SHARE
 
 LOG_TAIL = 4000  # characters of a worker's output kept in a crash record
 HARNESS = Path(__file__).resolve().parent
@@ -157,6 +158,12 @@ def worker_cpus(setting: int | str | None, gpu: int | None, on_gpu: bool) -> lis
     if setting not in allowed:
         raise KforgeError(f"worker CPU {setting} is not one this process may use ({_ranges(allowed)})")
     return [setting]
+
+
+def host_bound(profiles: dict[str, CallProfile]) -> bool:
+    """Were either side's calls bounded by its host (verdict.HOST_BOUND_FLOOR applies)?"""
+    return any(profiles[name].host_bound_frac > HOST_BOUND_SHARE for name in ("reference", "candidate")
+               if name in profiles)
 
 
 def _ranges(cpus: list[int]) -> str:
@@ -281,7 +288,7 @@ class Judge:
             if claimed <= 0:
                 raise Ended("rejected", "the candidate's worker claimed calls that took no time: its timings were "
                                         "forged", defences=("timing_claims",))
-            verdict = speed_verdict(run.per_call, self.min_speedup)
+            verdict = speed_verdict(run.per_call, self.min_speedup, run.clock == "cuda_events" and host_bound(run.profile))
             excess, allowed, noise = check.excess_ms(gaps, claimed)
             claims = {"median_gap_ms": {name: statistics.median(g) for name, g in gaps.items()},
                       "excess_ms": excess, "allowed_ms": allowed, "noise_ms": noise, "passes": attempt + 1}
@@ -360,7 +367,13 @@ class Judge:
         names = ["reference", "candidate", AA, BB]
         raw: dict[str, list[Clocks]] = {name: [] for name in [*names, "null"]}
         gaps: dict[str, list[float]] = {name: [] for name in names}
-        stopper = StopRule(config, names, host=False, decided=decided_by(self.min_speedup))
+        cuda = self._device_info().is_cuda
+
+        def decided(calls: dict[str, list[float]]) -> bool:
+            bounded = cuda and host_bound(call_profiles(raw, ["reference", "candidate"]))
+            return speed_verdict(calls, self.min_speedup, bounded).decided
+
+        stopper = StopRule(config, names, host=False, decided=decided)
         mutates = bool(self.setup.get("mutates_inputs"))
         rounds = rechecked = 0
         while True:
@@ -410,7 +423,6 @@ class Judge:
             if stop_reason:
                 break
         per_call = per_call_ms(raw, names, host=False)
-        cuda = self._device_info().is_cuda
         run = TimingRun(
             stats={name: TimingStats.from_samples(per_call[name]) for name in names},
             clock="cuda_events" if cuda else "host", rounds=rounds, stop_reason=stop_reason, pool_sets=1,
