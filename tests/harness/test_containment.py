@@ -511,3 +511,28 @@ def test_pin_holds_threads_already_running_and_those_started_after():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     held, threads = out.split()
     assert held == f"[({cpu},)]" and int(threads) >= 3, out  # the main thread, early and late
+
+
+def test_lock_affinity_refuses_sched_setaffinity_to_the_process_its_threads_and_children():
+    script = textwrap.dedent("""
+        import os, subprocess, sys, threading
+        from kforge.harness import containment
+        before = os.sched_getaffinity(0)
+        print(containment.lock_affinity())
+        def move(label):
+            try:
+                os.sched_setaffinity(0, before)
+                print(label, "moved")
+            except PermissionError:
+                print(label, "EPERM")
+        move("self")
+        thread = threading.Thread(target=move, args=("thread",)); thread.start(); thread.join()
+        child = "import os\\ntry:\\n os.sched_setaffinity(0, os.sched_getaffinity(0)); print('child moved')\\n" \\
+                "except PermissionError: print('child EPERM')"
+        print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout.strip())
+        print("read", os.sched_getaffinity(0) == before, "write", open(os.devnull, "w").write("x"))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
+    if out[0] != "True":
+        pytest.skip("no seccomp filter on this machine")
+    assert out[1:5] == ["self EPERM", "thread EPERM", "child EPERM", "read True write 1"], out

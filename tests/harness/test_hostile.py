@@ -167,11 +167,28 @@ def test_2c_both_workers_are_held_to_the_cpu_the_judge_gives_them(judge):
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nowhere else to move")
 @pytest.mark.parametrize("candidate, whose", [("judge_moves_cpu", "the candidate's worker"),
                                               ("judge_moves_reference", "the reference's worker")])
-def test_2c_a_worker_moved_off_its_cpu_is_rejected(judge, candidate, whose):
+def test_2c_a_worker_cannot_be_moved_off_its_cpu(judge, candidate, whose):
+    # The warden's seccomp filter makes the candidate's sched_setaffinity fail; on a kernel
+    # without seccomp the judge's check after each timed call rejects the moved worker.
     record = judge(candidate, timing=TimingConfig(budget_s=0.5, worker_cpu=last_cpu()))
-    assert record.status == "rejected", record.reason
-    assert record.defences == ["cpu_affinity"], record.defences
-    assert record.reason.startswith(f"{whose} was moved off CPU {last_cpu()}"), record.reason
+    if _seccomp_here():
+        assert record.status in CORRECT, record.reason
+        assert record.defences == [] and record.gate2["worker_cpus"] == [last_cpu()], record.defences
+        assert not any("CPU affinities" in w for w in record.warnings), record.warnings
+    else:
+        assert record.status == "rejected", record.reason
+        assert record.defences == ["cpu_affinity"], record.defences
+        assert record.reason.startswith(f"{whose} was moved off CPU {last_cpu()}"), record.reason
+
+
+def _seccomp_here() -> bool:
+    """Can a process of this machine install the affinity filter? (Asked in a child: the
+    filter cannot be taken off again.)"""
+    import subprocess
+    import sys
+
+    script = "from kforge.harness import containment; print(containment.lock_affinity())"
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True).stdout.strip() == "True"
 
 
 def test_a_worker_cpu_this_process_may_not_use_is_refused_up_front():

@@ -18,6 +18,9 @@ cannot write outside its folders or reach into the judge; the judge walks the tr
     descendants       judge   every live process below a pid, read from /proc.
     pin               workers hold every thread of this process (and all it starts) to
                               a CPU set.
+    lock_affinity     worker  a seccomp filter: sched_setaffinity fails (EPERM) for it and all
+                              it starts, so it can move neither itself nor the reference's
+                              worker off the CPU the judge gave both.
     strays            judge   the threads of given processes not held to a CPU set (both
                               workers are pinned to the same CPU on a GPU: the judge checks
                               that neither was moved, sched_setaffinity being open to all).
@@ -251,6 +254,49 @@ def pin(cpus: Collection[int]) -> None:
     """Hold every thread of this process, and so all it starts, to `cpus`."""
     for tid in os.listdir("/proc/self/task"):
         os.sched_setaffinity(int(tid), cpus)
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+# (audit arch, sched_setaffinity's number, mask on the number) for each ABI a process of this
+# machine can make system calls in: x86-64 (the mask folds x32's 0x40000000 bit in) and its
+# i386 compat; aarch64 and its arm32 compat.
+_AFFINITY_CALLS = {"x86_64": [(0xC000003E, 203, 0xBFFFFFFF), (0x40000003, 241, 0xFFFFFFFF)],
+                   "aarch64": [(0xC00000B7, 122, 0xFFFFFFFF), (0x40000028, 241, 0xFFFFFFFF)]}
+_BPF_LD_ABS, _BPF_JEQ, _BPF_AND, _BPF_RET = 0x20, 0x15, 0x54, 0x06
+_SECCOMP_RET_ALLOW, _SECCOMP_RET_EPERM = 0x7FFF0000, 0x00050000 | 1
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+
+
+def lock_affinity() -> bool:
+    """Make sched_setaffinity fail with EPERM in this process, its threads and everything it
+    starts (a seccomp filter, kept across fork and exec); True once installed. Every other
+    system call is untouched."""
+    calls = _AFFINITY_CALLS.get(os.uname().machine)
+    libc = _libc()
+    if not calls or libc is None or not _prctl(_PR_SET_NO_NEW_PRIVS, 1):
+        return False
+    program: list[tuple[int, int, int, int]] = []  # (code, jt, jf, k); jumps resolved below
+    for arch, number, mask in calls:
+        program += [(_BPF_LD_ABS, 0, 0, 4),  # seccomp_data.arch
+                    (_BPF_JEQ, 0, 3, arch),  # another ABI: on to the next block
+                    (_BPF_LD_ABS, 0, 0, 0),  # seccomp_data.nr
+                    (_BPF_AND, 0, 0, mask),
+                    (_BPF_JEQ, -1, -2, number)]  # -1: to the EPERM return, -2: to the allow return
+    allow, deny = len(program), len(program) + 1
+    resolved = [(code, deny - i - 1 if jt == -1 else jt, allow - i - 1 if jf == -2 else jf, k)
+                for i, (code, jt, jf, k) in enumerate(program)]
+    resolved += [(_BPF_RET, 0, 0, _SECCOMP_RET_ALLOW), (_BPF_RET, 0, 0, _SECCOMP_RET_EPERM)]
+    filters = (_SockFilter * len(resolved))(*[_SockFilter(*insn) for insn in resolved])
+    prog = _SockFprog(len(resolved), filters)
+    zero = ctypes.c_ulong(0)
+    return libc.prctl(_PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(prog), zero, zero) == 0
 
 
 def strays(pids: Iterable[int], cpus: Collection[int]) -> list[int]:

@@ -509,8 +509,9 @@ class Judge:
         return reply
 
     def _check_cpus(self) -> None:
-        """Both workers still on the CPU they were given: any process of the same user may
-        move any other (sched_setaffinity), and a faster CPU is a faster launch-bound call."""
+        """Both workers still on the CPU they were given: a faster CPU is a faster
+        launch-bound call. The candidate's worker cannot call sched_setaffinity (the
+        warden's seccomp filter); this catches a kernel without seccomp, or a way around it."""
         if self.cpus is None:
             return
         for tree, whose in ((self._candidate_tree(), "the candidate's worker"),
@@ -701,6 +702,9 @@ class Judge:
         except ChannelError as exc:
             raise Ended("crash", f"the candidate's worker could not be started: {exc.reason}") from None
         self.confinement = spawned.get("confinement") or None
+        if self.cpus and not spawned.get("affinity_locked"):
+            self.warnings.append("the candidate's worker can change CPU affinities (no seccomp filter here): the "
+                                 "judge checks both workers' CPU after each timed call instead")
         missing = containment.Confinement(**self.confinement).missing() if self.confinement else ["everything"]
         if missing:
             self.warnings.append(f"the candidate's worker is not contained against: {', '.join(missing)} "
