@@ -74,6 +74,7 @@ def test_worker_cpus_auto_gives_each_gpus_judge_its_own_cpu_from_the_top(monkeyp
     assert judge.worker_cpus("auto", 0, on_gpu=True) == [3], "an explicit GPU index wins"
     assert judge.worker_cpus("auto", 0, on_gpu=False) is None, "a CPU device's problems want every core"
     assert judge.worker_cpus(None, 0, on_gpu=True) is None
+    assert judge.worker_cpus("auto", 0, on_gpu=True, gpus=2) is None, "NCCL places a multi-GPU problem's threads"
     assert judge.worker_cpus(2, 0, on_gpu=False) == [2]
     with pytest.raises(KforgeError, match=r"worker CPU 7 is not one this process may use \(0-3\)"):
         judge.worker_cpus(7, 0, on_gpu=True)

@@ -138,7 +138,7 @@ def median_difference_error(samples: list[float], n: int) -> float:
     return math.sqrt(2.0 / n) * 1.2533 * (q3 - q1) / 1.349
 
 
-def worker_cpus(setting: int | str | None, gpu: int | None, on_gpu: bool) -> list[int] | None:
+def worker_cpus(setting: int | str | None, gpu: int | None, on_gpu: bool, gpus: int = 1) -> list[int] | None:
     """The CPU both workers are held to (`TimingConfig.worker_cpu`), or None.
 
     A launch-bound call is as fast as the CPU that launches it, and the CPUs of a virtual
@@ -147,9 +147,10 @@ def worker_cpus(setting: int | str | None, gpu: int | None, on_gpu: bool) -> lis
     2026-11-28). The workers never run at once (each is stopped outside its commands), so
     one CPU serves both without contention. "auto" takes one per GPU index from the top of
     this process's CPUs (the lowest are where a host keeps its housekeeping), none on a
-    CPU device, whose problems want every core they can get."""
+    CPU device, whose problems want every core they can get, nor for a problem on several
+    GPUs (`gpus`), whose libraries (NCCL) place their own threads."""
     allowed = sorted(os.sched_getaffinity(0))
-    if setting is None or (setting == "auto" and (not on_gpu or len(allowed) < 2)):
+    if setting is None or (setting == "auto" and (not on_gpu or gpus > 1 or len(allowed) < 2)):
         return None
     if setting == "auto":  # judges of other GPUs on this host get other CPUs (Ray's too: by physical id)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
@@ -218,7 +219,7 @@ class Judge:
     min_speedup: float | None = None  # the bar for "passed" (default: 1 + the measured noise floor)
 
     def run(self) -> EvalRecord:
-        self.cpus = worker_cpus(self.timing.worker_cpu, self.gpu, _cuda_available())
+        self.cpus = worker_cpus(self.timing.worker_cpu, self.gpu, _cuda_available(), len(self.gpus))
         self.seed = secrets.randbits(63)
         self.rng = secrets.SystemRandom()
         self.stage = "start"
