@@ -494,23 +494,32 @@ def test_strays_are_the_threads_off_the_given_cpus():
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: every thread is on it")
-def test_pin_holds_threads_already_running_and_those_started_after():
+def test_pin_holds_another_processes_threads_and_those_it_starts_after():
     cpu = max(os.sched_getaffinity(0))
-    script = textwrap.dedent(f"""
-        import os, threading, time
-        from kforge.harness import containment
+    script = textwrap.dedent("""
+        import os, sys, threading
         stop = threading.Event()
-        early = threading.Thread(target=stop.wait); early.start()
-        containment.pin([{cpu}])
-        late = threading.Thread(target=stop.wait); late.start()
-        time.sleep(0.05)
-        print(sorted({{tuple(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}}),
-              len(os.listdir("/proc/self/task")))
+        threading.Thread(target=stop.wait).start()
+        print("ready", flush=True)
+        sys.stdin.readline()  # pinned by the test meanwhile
+        threading.Thread(target=stop.wait).start()
+        print(sorted({tuple(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}),
+              len(os.listdir("/proc/self/task")), flush=True)
         stop.set()
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    held, threads = out.split()
-    assert held == f"[({cpu},)]" and int(threads) >= 3, out  # the main thread, early and late
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        assert len(containment.strays([child.pid], [cpu])) >= 2, "not pinned yet: its threads are on every CPU"
+        containment.pin([child.pid, 2**22 + 7], [cpu])  # a pid that is gone is passed over
+        assert containment.strays([child.pid], [cpu]) == []
+        child.stdin.write("\n")
+        child.stdin.flush()
+        held, threads = child.stdout.readline().split(" ")
+        assert held == f"[({cpu},)]" and int(threads) >= 3, (held, threads)  # the main thread, early and late
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_lock_affinity_refuses_sched_setaffinity_to_the_process_its_threads_and_children():
@@ -518,6 +527,11 @@ def test_lock_affinity_refuses_sched_setaffinity_to_the_process_its_threads_and_
         import os, subprocess, sys, threading
         from kforge.harness import containment
         before = os.sched_getaffinity(0)
+        go = threading.Event()
+        def move_later():
+            go.wait()
+            move("earlier thread")
+        earlier = threading.Thread(target=move_later); earlier.start()
         print(containment.lock_affinity())
         def move(label):
             try:
@@ -526,6 +540,7 @@ def test_lock_affinity_refuses_sched_setaffinity_to_the_process_its_threads_and_
             except PermissionError:
                 print(label, "EPERM")
         move("self")
+        go.set(); earlier.join()
         thread = threading.Thread(target=move, args=("thread",)); thread.start(); thread.join()
         child = "import os\\ntry:\\n os.sched_setaffinity(0, os.sched_getaffinity(0)); print('child moved')\\n" \\
                 "except PermissionError: print('child EPERM')"
@@ -535,4 +550,4 @@ def test_lock_affinity_refuses_sched_setaffinity_to_the_process_its_threads_and_
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
     if out[0] != "True":
         pytest.skip("no seccomp filter on this machine")
-    assert out[1:5] == ["self EPERM", "thread EPERM", "child EPERM", "read True write 1"], out
+    assert out[1:6] == ["self EPERM", "earlier thread EPERM", "thread EPERM", "child EPERM", "read True write 1"], out

@@ -67,8 +67,8 @@ def test_worker_cpus_auto_gives_each_gpus_judge_its_own_cpu_from_the_top(monkeyp
     monkeypatch.setattr(judge.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert judge.worker_cpus("auto", None, on_gpu=True) == [3]
-    assert [judge.worker_cpus("auto", gpu, on_gpu=True) for gpu in range(5)] == [[3], [2], [1], [3], [2]], \
-        "CPU 0 is never taken; more GPUs than CPUs wrap around"
+    assert [judge.worker_cpus("auto", gpu, on_gpu=True) for gpu in range(5)] == [[3], [2], [1], None, None], \
+        "CPU 0 is never taken; two judges never share a CPU"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # as Ray sets it: the physical id decides
     assert judge.worker_cpus("auto", None, on_gpu=True) == [1]
     assert judge.worker_cpus("auto", 0, on_gpu=True) == [3], "an explicit GPU index wins"

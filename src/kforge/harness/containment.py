@@ -16,11 +16,11 @@ cannot write outside its folders or reach into the judge; the judge walks the tr
                               it exits (start workers from a thread that outlives them). Not
                               inherited by the worker's own children.
     descendants       judge   every live process below a pid, read from /proc.
-    pin               workers hold every thread of this process (and all it starts) to
-                              a CPU set.
-    lock_affinity     worker  a seccomp filter: sched_setaffinity fails (EPERM) for it and all
-                              it starts, so it can move neither itself nor the reference's
-                              worker off the CPU the judge gave both.
+    pin               judge   hold every thread of given processes (and all they start) to a
+                              CPU set.
+    lock_affinity     workers a seccomp filter: sched_setaffinity fails (EPERM) for every
+                              thread of the process and all it starts, so a worker can move
+                              neither itself nor the other off the CPU the judge gives both.
     strays            judge   the threads of given processes not held to a CPU set (both
                               workers are pinned to the same CPU on a GPU: the judge checks
                               that neither was moved, sched_setaffinity being open to all).
@@ -66,6 +66,7 @@ empty Confinement); kill_tree then only kills `root`.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
 import stat
@@ -250,10 +251,19 @@ def descendants(pid: int | None = None) -> list[int]:
     return [child for child in _tree(os.getpid() if pid is None else pid) if alive(child)]
 
 
-def pin(cpus: Collection[int]) -> None:
-    """Hold every thread of this process, and so all it starts, to `cpus`."""
-    for tid in os.listdir("/proc/self/task"):
-        os.sched_setaffinity(int(tid), cpus)
+def pin(pids: Iterable[int], cpus: Collection[int]) -> None:
+    """Hold every thread of `pids`, and so all they start, to `cpus` (stop them first: a
+    thread started while they are walked could be missed)."""
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # exited
+            continue
+        for tid in tasks:
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except ProcessLookupError:
+                pass
 
 
 class _SockFilter(ctypes.Structure):
@@ -272,12 +282,14 @@ _AFFINITY_CALLS = {"x86_64": [(0xC000003E, 203, 0xBFFFFFFF), (0x40000003, 241, 0
 _BPF_LD_ABS, _BPF_JEQ, _BPF_AND, _BPF_RET = 0x20, 0x15, 0x54, 0x06
 _SECCOMP_RET_ALLOW, _SECCOMP_RET_EPERM = 0x7FFF0000, 0x00050000 | 1
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
+_SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC = 1, 1
 
 
 def lock_affinity() -> bool:
-    """Make sched_setaffinity fail with EPERM in this process, its threads and everything it
-    starts (a seccomp filter, kept across fork and exec); True once installed. Every other
-    system call is untouched."""
+    """Make sched_setaffinity fail with EPERM in every thread of this process and everything
+    it starts (a seccomp filter, synchronized to the threads already running, kept across
+    fork and exec); True once installed. Every other system call is untouched."""
     calls = _AFFINITY_CALLS.get(os.uname().machine)
     libc = _libc()
     if not calls or libc is None or not _prctl(_PR_SET_NO_NEW_PRIVS, 1):
@@ -295,6 +307,14 @@ def lock_affinity() -> bool:
     resolved += [(_BPF_RET, 0, 0, _SECCOMP_RET_ALLOW), (_BPF_RET, 0, 0, _SECCOMP_RET_EPERM)]
     filters = (_SockFilter * len(resolved))(*[_SockFilter(*insn) for insn in resolved])
     prog = _SockFprog(len(resolved), filters)
+    # seccomp(2) with TSYNC puts the filter on every thread (torch starts some at import);
+    # prctl, the fallback where seccomp(2) is missing, only on the calling one.
+    result = _syscall(_SYS_SECCOMP[os.uname().machine], ctypes.c_uint(_SECCOMP_SET_MODE_FILTER),
+                      ctypes.c_uint(_SECCOMP_FILTER_FLAG_TSYNC), ctypes.byref(prog))
+    if result == 0:
+        return True
+    if ctypes.get_errno() != errno.ENOSYS:
+        return False
     zero = ctypes.c_ulong(0)
     return libc.prctl(_PR_SET_SECCOMP, ctypes.c_ulong(_SECCOMP_MODE_FILTER), ctypes.byref(prog), zero, zero) == 0
 

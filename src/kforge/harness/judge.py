@@ -145,7 +145,9 @@ def worker_cpus(setting: int | str | None, gpu: int | None, on_gpu: bool, gpus: 
     machine are not alike: two processes of the same network, free to move or on two
     CPUs, timed 0.6-1.7x each other; on one shared CPU 0.98-1.05x (H200 VM, 16 vCPUs,
     2026-11-28). The workers never run at once (each is stopped outside its commands), so
-    one CPU serves both without contention. "auto" takes one per GPU index from the top of
+    one CPU serves both without contention. The judge pins them when gate 2 starts (boot,
+    builds and gate 1 keep every CPU); a seccomp filter from their start keeps either from
+    moving. "auto" takes one per GPU index from the top of
     this process's CPUs (the lowest are where a host keeps its housekeeping), none on a
     CPU device, whose problems want every core they can get, nor for a problem on several
     GPUs (`gpus`), whose libraries (NCCL) place their own threads."""
@@ -155,7 +157,9 @@ def worker_cpus(setting: int | str | None, gpu: int | None, on_gpu: bool, gpus: 
     if setting == "auto":  # judges of other GPUs on this host get other CPUs (Ray's too: by physical id)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
         slot = gpu if isinstance(gpu, int) else int(visible) if visible.isdigit() else 0
-        return [allowed[len(allowed) - 1 - slot % (len(allowed) - 1)]]
+        if slot >= len(allowed) - 1:  # more GPUs than CPUs to give: sharing one would be worse than none
+            return None
+        return [allowed[len(allowed) - 1 - slot]]
     if setting not in allowed:
         raise KforgeError(f"worker CPU {setting} is not one this process may use ({_ranges(allowed)})")
     return [setting]
@@ -348,6 +352,9 @@ class Judge:
         that confirms a fired claims check, on draws of its own."""
         config = self.timing
         t0 = time.perf_counter()
+        if self.cpus:  # both trees stopped, so no thread starts while they are walked
+            self._stop_tree(self._reference_tree)
+            containment.pin([*self._reference_tree(), *self._candidate_tree()], self.cpus)
         self._ask_reference({"op": "draw", "seed": derive_seed(self.seed, f"pool{attempt or ''}", 0)})
         warm = self._ask_reference({"op": "warm", "min_calls": config.min_warmup_calls, "seconds": config.warmup_s})
         cand_warm = self._ask_candidate({"op": "warm", "min_calls": config.min_warmup_calls,
@@ -633,7 +640,7 @@ class Judge:
         device_kind = "cuda" if _cuda_available() else "cpu"
         job = dict(problem=str(self.problem), size=self.size or ("full" if device_kind == "cuda" else "auto"),
                    device=device_kind, baseline=self.baseline, arena_file=str(self.arena_file),
-                   command_fd=command_fd, reply_fd=reply_fd, cpus=self.cpus)
+                   command_fd=command_fd, reply_fd=reply_fd, lock_affinity=bool(self.cpus))
         with open(log, "wb") as out:
             process = subprocess.Popen([sys.executable, "-m", "kforge.harness.reference_worker"],
                                        stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
@@ -688,7 +695,7 @@ class Judge:
         # own folders are elsewhere (shared.scratch_root).
         writable = [str(work), str(cache), str(self.arena_file), "/proc/self", "/dev/shm", *_device_files()]
         warden_job = dict(argv=[sys.executable, "-m", "kforge.harness.candidate_worker"], env=env, writable=writable,
-                          pass_fds=[command_fd, reply_fd], log=str(log), cpus=self.cpus,
+                          pass_fds=[command_fd, reply_fd], log=str(log), lock_affinity=bool(self.cpus),
                           worker_job={"command_fd": command_fd, "reply_fd": reply_fd})
         self.warden = subprocess.Popen([sys.executable, str(HARNESS / "warden.py")], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, pass_fds=(command_fd, reply_fd), env=env,

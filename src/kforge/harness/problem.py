@@ -38,6 +38,7 @@ these kforge names (all optional):
 from __future__ import annotations
 
 import ast
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,6 +212,11 @@ def load_problem(path: str | Path, size: str = "full", constants: Mapping[str, i
     )
 
 
+# CPython 3.11's parser is not safe to enter from two threads at once ("AST constructor
+# recursion depth mismatch", SystemError): the machine loop's threads ask for pairs together.
+_PARSING = threading.Lock()
+
+
 def declared_gpus(path: str | Path) -> int:
     """The `GPUS` a problem file declares (module docstring), 1 where it declares none.
 
@@ -219,7 +225,9 @@ def declared_gpus(path: str | Path) -> int:
     its evaluation reports it as a problem_error, as for any problem that fails to import.
     """
     try:
-        tree = ast.parse(Path(path).read_bytes(), filename=str(path))
+        source = Path(path).read_bytes()
+        with _PARSING:
+            tree = ast.parse(source, filename=str(path))
     except SyntaxError:
         return 1
     declared = None

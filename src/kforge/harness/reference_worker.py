@@ -265,14 +265,13 @@ def error_reply(exc: Exception) -> dict:
 
 
 def main() -> int:
-    from kforge.harness.containment import die_with_parent, lock_affinity, make_undumpable, pin
+    from kforge.harness.containment import die_with_parent, lock_affinity, make_undumpable
 
     die_with_parent()
     make_undumpable()
     job = json.loads(sys.stdin.readline())
-    if job.get("cpus"):  # every thread now, and so every one started later
-        pin(job["cpus"])
-        lock_affinity()  # the candidate's worker has the same seccomp filter: its system calls cost the same
+    if job.get("lock_affinity"):  # as the candidate's worker is: both sides' system calls cost the same
+        lock_affinity()
     end = WorkerEnd(job["command_fd"], job["reply_fd"])
     import kforge  # noqa: F401  (chooses Triton's mode before anything imports triton)
     from kforge.device import library_versions

@@ -89,8 +89,8 @@ class TimingConfig:
     recheck_fraction: float = 0.25
     # The CPU both workers of the judge are held to: "auto" (on a GPU, one CPU per GPU index;
     # on a CPU device, none), a CPU number, or None. A launch-bound call's speed depends on
-    # the CPU it runs on: two processes of the same network, free or on two CPUs, differed by
-    # up to 40%; on one shared CPU by 0-5% (H200 VM, 16 vCPUs; docs/worklogs/harness.md).
+    # the CPU it runs on: two processes of the same network read 0.6-1.7x each other free or
+    # on two CPUs, 0.96-1.05x on one shared CPU (H200 VM, 16 vCPUs; docs/worklogs/harness.md).
     worker_cpu: int | str | None = "auto"
     keep_samples: bool = False  # keep every call's raw clocks in the run (for studying noise)
     # Tests only: script(name, round) -> ms replaces each timed call's measured clocks, so

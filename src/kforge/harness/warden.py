@@ -5,14 +5,14 @@
 It makes itself a child subreaper, so every process the candidate starts, daemons that
 leave their session included, stays its descendant; starts the candidate's worker,
 confined (containment.confine: writes only in its own folders, no signals, traces or
-memory reads outside its domain; with `cpus`, held to them and unable to change any
-process's CPU affinity) between fork and exec, when the warden has one thread;
+memory reads outside its domain; with `lock_affinity`, unable to change any process's
+CPU affinity) between fork and exec, when the warden has one thread;
 and on "kill" (or when the judge goes away) kills that whole tree, reaps it and tells
 the judge who survived. It never imports torch or kforge: it starts in milliseconds and
 holds nothing worth attacking.
 
 Job (first line on stdin, JSON): argv, env, writable, pass_fds, log (the worker's stdout
-and stderr), cpus (the CPUs the worker is held to, or null). Replies on stdout:
+and stderr), lock_affinity (no process of the worker's may change a CPU affinity). Replies on stdout:
 {"spawned": pid, "confinement": {...}, "affinity_locked": bool} once, then
 {"survivors": [...], "exit": status} after each {"op": "kill"}.
 """
@@ -36,10 +36,7 @@ def main() -> int:
 
     def confine_child() -> None:  # runs in the forked child, before exec
         os.close(report_read)
-        locked = False
-        if job.get("cpus"):
-            containment.pin(job["cpus"])
-            locked = containment.lock_affinity()
+        locked = bool(job.get("lock_affinity")) and containment.lock_affinity()
         result = containment.confine(job["writable"])
         os.write(report_write, json.dumps({**result.to_dict(), "affinity_locked": locked}).encode())
         os.close(report_write)
