@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kforge.cli import worker_cpu_setting
+from kforge.errors import KforgeError
 from kforge.harness.isolation import evaluate_isolated
 from kforge.harness.judge import StageLimits
 from kforge.harness.record import append_record
@@ -41,6 +43,13 @@ def identity_candidate(problem: Path, folder: Path) -> Path:
     return path
 
 
+def _worker_cpu(text: str) -> int | str | None:
+    try:
+        return worker_cpu_setting(text)
+    except KforgeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kernelbench", type=Path, help="the folder holding level1, level2, level3")
@@ -50,20 +59,19 @@ def main() -> int:
     parser.add_argument("--levels", default="1,2,3")
     parser.add_argument("--budget", type=float, default=2.0, help="gate 2's time budget per problem (s)")
     parser.add_argument("--only", default="", help="only these problems of the sample (file names without .py)")
-    parser.add_argument("--worker-cpu", default="auto", help="the CPU both workers are held to: auto, none or N")
+    parser.add_argument("--worker-cpu", default="auto", type=_worker_cpu,
+                        help="the CPU both workers are held to: auto, none or N")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     store = args.out / "identity-sample.jsonl"
     levels = [int(x) for x in args.levels.split(",")]
-    worker_cpu = None if args.worker_cpu == "none" else args.worker_cpu if args.worker_cpu == "auto" \
-        else int(args.worker_cpu)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         only = {name for name in args.only.split(",") if name}
         for level, problem in sample(args.kernelbench, levels, args.every, only, args.offset):
             started = time.perf_counter()
             record = evaluate_isolated(problem, identity_candidate(problem, Path(folder)),
-                                       timing=TimingConfig(budget_s=args.budget, worker_cpu=worker_cpu),
+                                       timing=TimingConfig(budget_s=args.budget, worker_cpu=args.worker_cpu),
                                        remeasure_above=None,
                                        limits=StageLimits(load_s=180, gate1_s=180, gate2_s=args.budget + 120),
                                        command=f"identity sample: level{level}/{problem.name}")

@@ -251,19 +251,25 @@ def descendants(pid: int | None = None) -> list[int]:
     return [child for child in _tree(os.getpid() if pid is None else pid) if alive(child)]
 
 
+def _threads(pids: Iterable[int]) -> list[int]:
+    """The thread ids of `pids`; a process that has exited has none."""
+    found = []
+    for pid in pids:
+        try:
+            found += [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            pass
+    return found
+
+
 def pin(pids: Iterable[int], cpus: Collection[int]) -> None:
     """Hold every thread of `pids`, and so all they start, to `cpus` (stop them first: a
     thread started while they are walked could be missed)."""
-    for pid in pids:
+    for tid in _threads(pids):
         try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:  # exited
-            continue
-        for tid in tasks:
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except ProcessLookupError:
-                pass
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:
+            pass
 
 
 class _SockFilter(ctypes.Structure):
@@ -323,17 +329,12 @@ def strays(pids: Iterable[int], cpus: Collection[int]) -> list[int]:
     """The threads of `pids` whose CPU affinity is not exactly `cpus`."""
     wanted = set(cpus)
     found = []
-    for pid in pids:
+    for tid in _threads(pids):
         try:
-            tasks = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-        except OSError:  # exited
-            continue
-        for tid in tasks:
-            try:
-                if os.sched_getaffinity(tid) != wanted:
-                    found.append(tid)
-            except OSError:
-                pass
+            if os.sched_getaffinity(tid) != wanted:
+                found.append(tid)
+        except OSError:  # exited since
+            pass
     return found
 
 

@@ -143,7 +143,7 @@ def worker_cpus(setting: int | str | None, gpu: int | None, on_gpu: bool, gpus: 
 
     A launch-bound call is as fast as the CPU that launches it, and the CPUs of a virtual
     machine are not alike: two processes of the same network, free to move or on two
-    CPUs, timed 0.6-1.7x each other; on one shared CPU 0.98-1.05x (H200 VM, 16 vCPUs,
+    CPUs, timed 0.6-1.7x each other; on one shared CPU 0.96-1.05x (H200 VM, 16 vCPUs,
     2026-11-28). The workers never run at once (each is stopped outside its commands), so
     one CPU serves both without contention. The judge pins them when gate 2 starts (boot,
     builds and gate 1 keep every CPU); a seccomp filter from their start keeps either from
@@ -712,7 +712,7 @@ class Judge:
         self.confinement = spawned.get("confinement") or None
         if self.cpus and not spawned.get("affinity_locked"):
             self.warnings.append("the candidate's worker can change CPU affinities (no seccomp filter here): the "
-                                 "judge checks both workers' CPU after each timed call instead")
+                                 "judge can only check both workers' CPU after each timed call")
         missing = containment.Confinement(**self.confinement).missing() if self.confinement else ["everything"]
         if missing:
             self.warnings.append(f"the candidate's worker is not contained against: {', '.join(missing)} "
