@@ -1,0 +1,1 @@
+../../../src/kforge/problems/level2/linear_bias_gelu_tanh_bf16.py
