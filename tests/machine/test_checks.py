@@ -163,6 +163,32 @@ def test_a_forbidden_op_that_is_not_called_or_is_tritons_own_is_not_flagged():
                         forbidden) == []
 
 
+def test_a_module_named_like_a_forbidden_op_is_flagged_where_it_is_called_not_where_it_is_built():
+    # the reference's own nn.Linear kept as the weights' holder is no call of aten::linear
+    holder = """
+        import torch
+        from torch import nn
+
+        class ModelNew(nn.Module):
+            def __init__(self, n):
+                super().__init__()
+                self.c_fc = nn.Linear(n, n)
+                self.scale = nn.Parameter(torch.ones(n))
+
+            def forward(self, x):
+                return {call}
+        """
+    forbidden = ["aten::linear", "aten::mm"]
+    weights_only = textwrap.dedent(holder.format(call="mine(x, self.c_fc.weight, self.c_fc.bias)"))
+    assert [f.code for f in static_flags(weights_only, forbidden)] == ["torch_fallback"]  # no forbidden_op
+    called = static_flags(textwrap.dedent(holder.format(call="self.c_fc(x) * self.scale")), forbidden)
+    [flag] = [f for f in called if f.code == "forbidden_op"]
+    assert flag.line == 12 and "self.c_fc(): a nn.Linear, reaches aten::linear" in flag.message
+    local = "lin = torch.nn.Linear(4, 4)\n        y = lin(a)"
+    assert codes(local, forbidden=forbidden) == {"forbidden_op"}
+    assert codes("lin = torch.nn.Linear(4, 4)", forbidden=forbidden) == set()
+
+
 def test_a_forbidden_op_is_flagged_by_its_name_without_underscores():
     assert codes("y = torch.log_softmax(a, -1)", forbidden=["aten::_log_softmax"]) == {"forbidden_op"}
 

@@ -16,7 +16,9 @@ Codes:
     global_state    torch.backends.*, default dtype or device, denormals, seeds, matmul precision
     dispatch_mode   TorchFunctionMode / TorchDispatchMode, __torch_function__, torch.library, torch._C
     introspection   sys.setprofile / settrace / modules, frames, gc, inspect, ctypes, builtins
-    forbidden_op    calls an op the problem forbids (its `forbidden_ops`), by name
+    forbidden_op    calls an op the problem forbids (its `forbidden_ops`), by name; or calls a
+                    module built from a class of that name (`self.fc = nn.Linear(...)` is
+                    no call of aten::linear, `self.fc(x)` is)
     torch_fallback  no custom kernel: no @triton.jit function launched, no CUDA source loaded
     unparsed        the code is not valid Python; nothing else was checked
 """
@@ -74,6 +76,7 @@ def static_flags(code: str, forbidden_ops: list[str] | tuple[str, ...] = ()) -> 
     except SyntaxError as exc:
         return [Flag("unparsed", exc.lineno or 0, f"not valid Python: {exc.msg}; nothing else was checked")]
     checker = _Checker(_aliases(tree), forbidden_ops)
+    checker.find_forbidden_modules(tree)
     checker.visit(tree)
     checker.check_fallback(tree)
     return sorted(checker.flags.values(), key=lambda f: (f.line, f.code))
@@ -108,6 +111,7 @@ class _Checker(ast.NodeVisitor):
         for op in forbidden_ops:
             base = op.split("::", 1)[-1].split(".")[0].strip("_").lower()
             self.forbidden.setdefault(base, op)
+        self.modules = {}  # a name bound to a module whose class is named like a forbidden op -> (class, op)
         self.in_kernel = False  # inside a @triton.jit function: its calls are Triton's, not torch's
         self.seen: set[str] = set()  # every module path the code refers to
 
@@ -207,12 +211,36 @@ class _Checker(ast.NodeVisitor):
             self.forbidden_call(node)
         self.generic_visit(node)
 
+    def forbidden_class(self, call: ast.AST) -> tuple[str, str] | None:
+        """(class, op) when `call` constructs a class named like a forbidden op (nn.Linear)."""
+        if not isinstance(call, ast.Call):
+            return None
+        name = ast.unparse(call.func).split(".")[-1]
+        op = self.forbidden.get(name.strip("_").lower()) if name[:1].isupper() else None
+        return (ast.unparse(call.func), op) if op else None
+
+    def find_forbidden_modules(self, tree: ast.AST) -> None:
+        """Every name (self.fc, fc) bound to such a module, wherever it is called from."""
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                found = self.forbidden_class(node.value)
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if found:
+                    self.modules.update((ast.unparse(t), found) for t in targets)
+
     def forbidden_call(self, node: ast.Call) -> None:
         name = self.qualified(node.func)
         if name is not None and name.startswith("triton."):
             return
-        parts = ast.unparse(node.func).split(".")
-        for part in parts:
+        called = ast.unparse(node.func)
+        if called in self.modules:
+            cls, op = self.modules[called]
+            self.flag("forbidden_op", node, f"{called}(): a {cls}, reaches {op}, which the problem forbids (the "
+                                            f"harness rejects it at run time)")
+            return
+        for part in called.split("."):
+            if part[:1].isupper():  # a class: constructing a module calls no op (calling it does, above)
+                continue
             op = self.forbidden.get(part.strip("_").lower())
             if op:
                 self.flag("forbidden_op", node, f"{ast.unparse(node.func)}(): reaches {op}, which the problem "
