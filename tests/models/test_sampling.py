@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kforge.models.sampling import SPLIT_CHUNKS, SPLIT_MIN_VOCAB, SamplingParams, argmax_rows, make_generator, sample
+from kforge.models.sampling import SamplingParams, make_generator, sample
 
 
 def logits_of(probs: list[float]) -> torch.Tensor:
@@ -37,34 +37,6 @@ def test_greedy_is_argmax_in_any_float_dtype():
 
 def test_greedy_ties_go_to_the_lowest_id():
     assert sample(torch.tensor([[1.0, 3.0, 3.0, 0.0]]), [SamplingParams()]).item() == 1
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_two_pass_argmax_keeps_the_first_maximum_of_a_long_row(dtype):
-    vocab = 128256  # llama3's: 64 chunks of 2004
-    assert vocab >= SPLIT_MIN_VOCAB and vocab % SPLIT_CHUNKS == 0
-    chunk = vocab // SPLIT_CHUNKS
-    torch.manual_seed(2)
-    rows = torch.randn(8, vocab).to(dtype)
-    rows[1, [5 * chunk + 7, 40 * chunk + 1]] = 50.0  # a tie across chunks: the earlier chunk's
-    rows[2, [9 * chunk + 3, 9 * chunk + 900]] = 50.0  # a tie within one chunk: the earlier index
-    rows[3, [70, 3 * chunk + 2, 60 * chunk]] = 50.0  # three, the first in chunk 0
-    rows[4, [2 * chunk + 11, 30 * chunk]] = float("nan")  # a NaN is the maximum, the first one wins
-    rows[4, 0] = 50.0
-    rows[5] = float("-inf")  # all -inf: index 0, as argmax
-    rows[6, vocab - 1] = 50.0  # the last token
-    rows[7, 0] = 50.0  # the first token
-    expected = [rows[i].float().argmax().item() for i in range(8)]
-    assert expected[1:5] == [5 * chunk + 7, 9 * chunk + 3, 70, 2 * chunk + 11]  # the cases above, as torch reads them
-    assert argmax_rows(rows).tolist() == expected
-    assert torch.equal(sample(rows, [SamplingParams()] * 8), argmax_rows(rows))
-
-
-def test_rows_that_do_not_split_take_one_argmax():
-    torch.manual_seed(3)
-    for vocab in (SPLIT_MIN_VOCAB - SPLIT_CHUNKS, SPLIT_MIN_VOCAB + 1, 32001):
-        rows = torch.randn(3, vocab)
-        assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("temperature", [0.1, 1.0, 100.0])

@@ -16,10 +16,6 @@ p_i / sum(p). So argmax_i p_i / E_i is an exact categorical draw from p (scaled 
 constant), computed with one elementwise divide and one argmax: no cumulative sum, no
 `torch.multinomial`, and no host sync. (It is the Gumbel-max trick: -log E is Gumbel.)
 
-Both argmaxes run in two passes over long rows (`argmax_rows`): torch reduces a single long
-row with few blocks (27 us for a 128256-token fp32 row on an H200, 0.6% of a llama3-8b
-decode step); split into 64 chunks, the same row takes a few microseconds.
-
 Batch invariance: row i's noise comes from `generators[i]` when given, so a seeded request
 samples the same tokens whatever batch it shares and whatever row it sits in. Make its
 generator once, with `make_generator(params.seed, device)`, and pass the same one every
@@ -75,24 +71,6 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return generator
 
 
-SPLIT_CHUNKS = 64  # chunks a long row is cut into: one block each in the first pass
-SPLIT_MIN_VOCAB = 16384  # shorter rows: one argmax is already fast
-
-
-def argmax_rows(values: torch.Tensor) -> torch.Tensor:
-    """values.argmax(dim=-1) of a (batch, n) tensor, the same indices (the first maximum of a
-    row; a NaN counts as the maximum, the first NaN wins), in two passes when the row is long
-    and splits into SPLIT_CHUNKS equal chunks: each chunk's argmax, then the argmax of the
-    chunks' maxima. The first pass keeps a chunk's first maximum and the second the first
-    chunk holding the row's maximum, so the first maximum of the row survives both."""
-    batch, n = values.shape
-    if n < SPLIT_MIN_VOCAB or n % SPLIT_CHUNKS:
-        return values.argmax(dim=-1)
-    best, where = values.view(batch, SPLIT_CHUNKS, n // SPLIT_CHUNKS).max(dim=-1)
-    chunk = best.argmax(dim=-1, keepdim=True)
-    return (chunk * (n // SPLIT_CHUNKS) + where.gather(1, chunk)).squeeze(1)
-
-
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -110,7 +88,7 @@ def sample(
         raise ValueError(f"{batch} rows of logits need as many params and generators, got {len(params)} "
                          f"and {n_generators}")
 
-    greedy_tokens = argmax_rows(logits)
+    greedy_tokens = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy_tokens
 
@@ -130,7 +108,7 @@ def sample(
         if generator is not None:
             noise[row].exponential_(generator=generator)
     # an Exp(1) draw of exactly 0 would make an excluded token's 0 / 0 a NaN, which argmax would pick
-    sampled_tokens = argmax_rows(probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny))
+    sampled_tokens = (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
     is_greedy = per_row([p.greedy for p in params], torch.bool)
     return torch.where(is_greedy, greedy_tokens, sampled_tokens)
 
