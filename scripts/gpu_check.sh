@@ -22,6 +22,7 @@
 #   judge-overhead   (scripts/judge_overhead.py against the tree in OLD_SRC; OVERHEAD_REPEATS, default 2)
 #   models   (the Llama engine's GPU tests: 1B against transformers, decode graphs, bottom-right varlen; a generate)
 #   bench-model   (kforge bench model on llama3-8b: decode, batch, trace, prefill; BENCH_MODEL_SECONDS, default 360)
+#   decode-profile   (scripts/decode_profile.py: one graphed llama3-8b decode step kernel by kernel, in bf16, W4A16, FP8)
 #   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
 #   fp8-gemv   (the FP8 decode GEMV's GPU tests, and the engine's FP8 decode through it)
 #   deepseek   (chain and tree speculative sampling, MLA decode, DSA's indexer and sparse MLA, the
@@ -253,6 +254,12 @@ if [[ $parts == *" bench-moe "* ]]; then
     echo "bench-moe: cut at ${MOE_SECONDS:-420} s; the records that landed:" | tee -a "$out/bench-moe.txt"
     python3 -m kforge bench moe --replot --results "$out/bench-moe.jsonl" 2>&1 | tee -a "$out/bench-moe.txt"
   fi
+fi
+if [[ $parts == *" decode-profile "* ]]; then
+  for weights in bf16 w4a16 fp8; do
+    python3 scripts/decode_profile.py --model llama3-8b --weights $weights 2>&1 | grep -v "UserWarning\|_warn_once" \
+      | tee "$out/decode-profile-$weights.txt"
+  done
 fi
 if [[ $parts == *" bench-model "* ]]; then
   timeout 540 python3 -m kforge bench model --model llama3-8b --parts "${BENCH_MODEL_PARTS:-decode,batch,trace,prefill}" \
