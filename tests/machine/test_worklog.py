@@ -285,3 +285,21 @@ def test_each_model_is_scored_apart(folder):
     assert "Over 2 sample(s): 2 correct" in by_model["qwen2.5-coder-32b"]
     assert "Over 1 sample(s): 1 correct" in by_model["llama-3.1-70b"], "its own samples only"
     assert "No attempt got a reply (1 failed request(s))" in by_model["gone"]
+
+
+def test_the_committed_capstone_page_is_what_its_records_say(tmp_path):
+    """docs/capstone/gpt2-mlp: a real model's replies (manual mode) and kforge's hand versions, judged on an
+    H200. The page must be exactly what `kforge worklog` makes of the records beside it, and every record
+    line must still pass its checksum (a hand-edited figure or record fails here)."""
+    folder = Path(__file__).parents[2] / "docs" / "capstone" / "gpt2-mlp"
+    inputs = worklog.load_inputs(folder)
+    assert inputs.notes == []  # nothing left out: no damaged line, no other device or problem
+    assert len(inputs.attempts) == 8 and all(a["status"] == "passed" for a in inputs.attempts)
+    text, _charts = worklog.render(inputs, tmp_path / "worklog.md")
+    assert text == (folder / "worklog.md").read_text()
+    # every judged attempt's code is the candidate file kept beside the store, and its reply is kept too
+    for attempt in inputs.attempts:
+        run, sample, turn = attempt["id"].split("/")
+        assert (folder / "machine" / run / sample / turn / "candidate.py").read_text() == attempt["code"]
+        reply = folder / "replies" / f"{run}-{sample}-{turn}.reply.md"
+        assert reply.read_text() == attempt["reply"]
