@@ -107,8 +107,9 @@ def main() -> None:
                    "w_gate_up": 2 * c.ffn_dim * c.dim, "w_down": c.dim * c.ffn_dim}
     print("# a layer's projections (read once a step), their floors at the copy rate: " + ", ".join(
         f"{k} {n * itemsize / 1e6:.1f} MB {n * itemsize / copy_gbps / 1e3:.1f} us" for k, n in projections.items()))
-    head = c.vocab_size * c.dim * itemsize
-    print(f"# LM head {head / 1e6:.0f} MB: {head / copy_gbps / 1e3:.1f} us")
+    head = model.head_weight()  # left in the model's dtype by every weight format
+    head_bytes = head.numel() * head.element_size()
+    print(f"# LM head ({head.dtype}) {head_bytes / 1e6:.0f} MB: {head_bytes / copy_gbps / 1e3:.1f} us")
     print(f"{'where':<10} {'us':>9} {'x/step':>7} {'% step':>7}  kernel")
     rows = [(f"pre {i}", statistics.mean(v), 1, names[i]) for i, v in sorted(outside.items()) if i < first]
     rows += [(f"layer {j}", statistics.mean(v), c.n_layers, names[first + j]) for j, v in sorted(by_position.items())]
