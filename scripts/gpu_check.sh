@@ -170,8 +170,8 @@ if [[ $parts == *" profile-gemm "* ]]; then
 fi
 if [[ $parts == *" harness "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs tests/harness/test_hostile.py tests/harness/test_defences.py \
-    tests/harness/test_judge_gpu.py tests/harness/test_gpu.py tests/harness/test_profile.py 2>&1 | tail -60 \
-    | tee "$out/pytest-harness-gpu.txt"
+    tests/harness/test_judge_gpu.py tests/harness/test_gpu.py tests/harness/test_profile.py 2>&1 \
+    | tee "$out/pytest-harness-gpu.txt" | tail -60  # the whole log kept: a failure's traceback is in it
 fi
 kb="${KB_DIR:-$PWD/.kb/KernelBench}"
 if [[ $parts == *" gate2 "* ]]; then
