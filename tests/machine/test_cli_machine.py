@@ -88,3 +88,29 @@ def test_a_problem_that_does_not_load_is_one_line_and_exit_2_with_nothing_stored
 def test_contradictory_or_missing_options_are_one_line_errors(cli, args, message):
     result = cli("machine", PROBLEM, *args)
     assert result.returncode == 2 and result.stderr.startswith(f"error: {message}")
+
+
+@pytest.mark.gpu
+def test_a_cuda_backend_reply_compiles_in_the_confined_worker_and_passes_gate_1(tmp_path, gpu_ceilings):
+    # the prompt's CUDA API (kforge's runtime: NVRTC, a source written to the worker's own scratch
+    # folder) followed by a reply, then judged on the GPU as any candidate
+    from kforge.device import current_device
+    from kforge.harness.roofline import save_ceilings
+
+    save_ceilings(current_device("cuda"), gpu_ceilings)  # into the test's KFORGE_CACHE_DIR
+
+    def run():
+        return subprocess.run([sys.executable, "-m", "kforge", "machine", str(PROBLEM), "--backend", "cuda",
+                               "--manual", "replies", "--turns", "1", "--time-budget", "0.5"], cwd=tmp_path,
+                              env=dict(os.environ), capture_output=True, text=True, timeout=600)
+
+    waiting = run()
+    assert waiting.returncode == 0, waiting.stderr
+    (prompt,) = (tmp_path / "replies").glob("*-s0-t0.prompt.md")
+    assert "compile_cuda" in prompt.read_text() and "sm_90a" in prompt.read_text()
+    prompt.with_name(prompt.name.replace(".prompt.md", ".reply.md")).write_text(reply_text("cuda_add"))
+    judged = run()
+    (attempt,) = read_store(tmp_path / "machine-add.jsonl").records
+    assert attempt["backend"] == "cuda" and attempt["record"]["gate1"]["passed"], attempt["reason"]
+    assert attempt["status"] in ("passed", "tie", "slower") and attempt["static_flags"] == []
+    assert judged.returncode == (0 if attempt["status"] == "passed" else 1), judged.stdout + judged.stderr
