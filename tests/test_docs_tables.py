@@ -51,10 +51,24 @@ def test_latest_keeps_the_newest_record_of_each_pair():
     assert len(out) == 1 and out[0]["gate2"]["speedup"] == 2.0
 
 
+FENCED = re.compile(r"^(`{3,}|~{3,}).*?^\1[ \t]*$", re.M | re.S)  # a fence closes with the same run
+INLINE_CODE = re.compile(r"(`+)[^`].*?\1", re.S)
+
+
+def prose(text: str) -> str:
+    """The page without its code: `kernel[grid](...)` in a fenced block or a code span is no link."""
+    return INLINE_CODE.sub("", FENCED.sub("", text))
+
+
+def test_code_is_not_read_as_links():
+    page = "see [a](a.md)\n````\n```python\nk[grid](...)\n```\n````\n`x[i](j)` and [b](b.md)\n"
+    assert LINK.findall(prose(page)) == ["a.md", "b.md"]
+
+
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(REPO)))
 def test_relative_links_resolve(page):
     broken = []
-    for target in LINK.findall(page.read_text()):
+    for target in LINK.findall(prose(page.read_text())):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
             continue  # a URL or an anchor on the same page
         path = target.split("#", 1)[0]
