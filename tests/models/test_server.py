@@ -218,7 +218,13 @@ def test_without_a_tokenizer_text_is_refused_and_the_server_stops_cleanly(checkp
 
 def test_kforge_serve_serves_until_ctrl_c():
     command = [sys.executable, "-m", "kforge", "serve", "--model", "tiny", "--max-context", "64", "--port"]
-    serving = subprocess.Popen([*command, "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Start it as a terminal would, with Ctrl-C's default: an ignored SIGINT is inherited across exec, and a
+    # process that started ignoring it never sees Ctrl-C (something earlier in a full run leaves it so)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        serving = subprocess.Popen([*command, "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         line = serving.stdout.readline()
         assert line.startswith("serving tiny on cpu at http://127.0.0.1:"), (line, serving.stderr.read())
