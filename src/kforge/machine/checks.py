@@ -243,7 +243,7 @@ class _Checker(ast.NodeVisitor):
                 continue
             op = self.forbidden.get(part.strip("_").lower())
             if op:
-                self.flag("forbidden_op", node, f"{ast.unparse(node.func)}(): reaches {op}, which the problem "
+                self.flag("forbidden_op", node, f"{called}(): reaches {op}, which the problem "
                                                 f"forbids (the harness rejects it at run time)")
                 return
 
