@@ -1,5 +1,6 @@
 """The docs quote records, not hand-copied numbers, and their links resolve (CPU only)."""
 
+import fnmatch
 import re
 from pathlib import Path
 
@@ -75,3 +76,19 @@ def test_relative_links_resolve(page):
         if not (page.parent / path).exists():
             broken.append(target)
     assert not broken, f"{page.relative_to(REPO)}: links to missing files: {broken}"
+
+
+def test_every_docs_page_is_in_the_site_nav():
+    # mkdocs --strict fails CI on a page left out of the nav; this says so in seconds, not
+    # after the whole suite (the nav is read as text: PyYAML is not a test dependency)
+    config = (REPO / "mkdocs.yml").read_text()
+    nav = set(re.findall(r"^\s*- (?:[^\n]*: )?([\w./-]+\.md)\s*$", config, re.M))
+    excluded = re.findall(r"^  (\S+)/$", config.split("exclude_docs:", 1)[1].split("nav:")[0], re.M)
+    docs = REPO / "docs"
+    # fnmatch's * crosses "/", as mkdocs' gitignore-style exclude does for these patterns
+    pages = {
+        rel for rel in (str(p.relative_to(docs)) for p in docs.rglob("*.md"))
+        if not any(fnmatch.fnmatch(rel, f"{pattern}/*") for pattern in excluded)
+    }
+    assert pages - nav == set(), f"pages missing from mkdocs.yml's nav: {sorted(pages - nav)}"
+    assert nav - pages == set(), f"nav entries with no page: {sorted(nav - pages)}"
