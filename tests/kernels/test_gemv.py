@@ -1,7 +1,8 @@
 """Decode GEMV: the Triton kernel under the interpreter (fp16, fp32; batch 1..16 incl. 3 and
 13; K and N tails; the CUDA-core and the tensor-core path) against float64, every output
 written (allocations poisoned with NaN), bad inputs refused; kforge.ops.gemv as a custom
-op; which tiles the autotuner may pick. On a GPU: bf16 at the Llama-3-8B widths, every
+op; which tiles the autotuner may pick; the fused residual and SwiGLU epilogues, bit for bit
+the unfused pair's. On a GPU: bf16 at the Llama-3-8B widths, every
 tile of the autotuner's list, fp16 and fp32. (The kernel's sm_90 machine code is checked
 in test_norm_qkv.py, with the fused GEMM's, in one compiler process.)"""
 
@@ -11,9 +12,12 @@ import pytest
 import torch
 import triton
 
-from kforge.kernels.serving.gemv import (CONFIGS, CUDA_CORE_ROWS, MAX_BATCH, _configs_for, check_gemv_inputs, gemv,
+from kforge.kernels.serving.gemv import (CONFIGS, CUDA_CORE_ROWS, EPI_NONE, EPI_RESIDUAL, EPI_SWIGLU, MAX_BATCH,
+                                         _configs_for, check_gemv_inputs, gemv, gemv_epilogue_reference,
                                          gemv_min_bytes, gemv_reference)
+from kforge.kernels.serving.swiglu import swiglu_forward
 from kforge.ops.gemv import gemv as gemv_op
+from kforge.ops.gemv import gemv_residual, gemv_swiglu
 
 CUDA_CORE = {"BLOCK_N": 64, "BLOCK_K": 256, "USE_DOT": False}
 TENSOR_CORE = {"BLOCK_N": 64, "BLOCK_K": 256, "USE_DOT": True}
@@ -109,6 +113,92 @@ def test_reference_and_minimum_bytes():
     assert gemv_min_bytes(16, 6144, 4096, itemsize=4) == (6144 * 4096 + 16 * 4096 + 16 * 6144) * 4
 
 
+# --- the fused epilogues ---------------------------------------------------------------------
+
+def _unfused(x, w, epilogue, residual, config):
+    """The pair the epilogue replaces, each on its own kernel (the interpreter's on CPU)."""
+    y = gemv(x, w, config=config)
+    if epilogue == EPI_RESIDUAL:
+        return residual + y
+    return swiglu_forward(y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("config", [CUDA_CORE, TENSOR_CORE], ids=["cuda-core", "tensor-core"])
+@pytest.mark.parametrize("epilogue", [EPI_RESIDUAL, EPI_SWIGLU], ids=["residual", "swiglu"])
+@pytest.mark.parametrize("batch, n, k", [(1, 77, 1000), (3, 130, 100), (13, 64, 512)], ids=str)
+def test_a_fused_epilogue_gives_the_unfused_pairs_bits(batch, n, k, epilogue, config, dtype, nan_outputs):
+    """N tails (77, 130 against 64-wide tiles), K tails, several rows: the fused kernel against
+    the GEMV and then the add or the SwiGLU kernel, bit for bit, and near float64."""
+    rows = 2 * n if epilogue == EPI_SWIGLU else n
+    x, w = _inputs(batch, rows, k, dtype, seed=batch)
+    residual = torch.randn(batch, n, generator=torch.Generator().manual_seed(7)).to(dtype)
+    residual = residual if epilogue == EPI_RESIDUAL else None
+    got = gemv(x, w, config=config, epilogue=epilogue, residual=residual)
+    assert got.shape == (batch, n)
+    assert torch.equal(got, _unfused(x, w, epilogue, residual, config))
+    exact = x.double() @ w.double().T
+    exact = residual.double() + exact if epilogue == EPI_RESIDUAL else (
+        torch.nn.functional.silu(exact[:, :n]) * exact[:, n:])
+    assert_matches(got, exact, dtype)
+
+
+def test_the_epilogue_reference_is_the_unfused_pair_and_a_vector_takes_a_vector_residual():
+    x, w = _inputs(2, 12, 40, torch.float32)
+    r = torch.randn(2, 12)
+    torch.testing.assert_close(gemv_epilogue_reference(x, w, EPI_RESIDUAL, r), r + x @ w.T)
+    gate, up = (x @ w.T).chunk(2, dim=-1)
+    torch.testing.assert_close(gemv_epilogue_reference(x, w, EPI_SWIGLU), torch.nn.functional.silu(gate) * up)
+    assert torch.equal(gemv_epilogue_reference(x, w, EPI_NONE), x @ w.T)
+    vector = gemv(x[0], w, config=CUDA_CORE, epilogue=EPI_RESIDUAL, residual=r[0])
+    assert vector.shape == (12,)
+    assert torch.equal(vector, gemv(x[:1], w, config=CUDA_CORE, epilogue=EPI_RESIDUAL, residual=r[:1])[0])
+
+
+@pytest.mark.parametrize("epilogue, residual, message", [
+    (EPI_SWIGLU, None, "2 x hidden rows, got 11"),
+    (EPI_RESIDUAL, None, "residual must be \\(batch, N\\)"),
+    (EPI_RESIDUAL, torch.randn(2, 10), "residual must be \\(batch, N\\) = \\(2, 11\\)"),
+    (EPI_RESIDUAL, torch.randn(2, 11, dtype=torch.float64), "residual must be a torch.float32"),
+    (EPI_RESIDUAL, torch.randn(11, 2).t(), "contiguous rows"),
+])
+def test_an_epilogue_refuses_operands_it_cannot_take(epilogue, residual, message):
+    x, w = _inputs(2, 11, 40, torch.float32)
+    with pytest.raises(ValueError, match=message):
+        gemv(x, w, config=CUDA_CORE, epilogue=epilogue, residual=residual)
+
+
+def test_the_one_token_kernel_fuses_each_epilogue_without_spills_and_leaves_the_plain_build_alone():
+    """gemv_rows.cu for sm_90a per EPILOGUE: the residual build adds one 2-byte load; the SwiGLU
+    build streams two rows a warp (twice the 16-byte W loads and shuffles) and computes the
+    sigmoid as Triton does (MUFU.EX2, then MUFU.RCP for div.full); the plain build is the
+    same machine code, instruction for instruction, as with no EPILOGUE given."""
+    import re
+
+    from kforge.kernels.serving.gemv import ROWS_SOURCE
+    from kforge.runtime.cuda import compile_cuda, resources, sass
+
+    def build(**defines):
+        cubin = compile_cuda(ROWS_SOURCE, arch="sm_90a", defines=defines)
+        used = resources(cubin)["gemv_bf16"]
+        assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0)
+        assert used.registers <= 64
+        code = sass(cubin)
+        return code, len(re.findall(r"\bLDG\.E\.NA\.128\b", code)), len(re.findall(r"\bSHFL\.BFLY\b", code))
+
+    def instructions(code):
+        return re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+([^;]*);", code, re.M)
+
+    plain, plain_loads, plain_shuffles = build()
+    assert instructions(build(EPILOGUE=EPI_NONE)[0]) == instructions(plain)
+    residual, loads, _ = build(EPILOGUE=EPI_RESIDUAL)
+    assert loads == plain_loads and len(re.findall(r"\bLDG\.E\.U16", residual)) == 1
+    swiglu, loads, shuffles = build(EPILOGUE=EPI_SWIGLU)
+    assert (loads, shuffles) == (2 * plain_loads, 2 * plain_shuffles)
+    assert re.search(r"MUFU\.EX2", swiglu) and re.search(r"MUFU\.RCP", swiglu)
+    assert not re.search(r"MUFU", plain)
+
+
 # --- the custom op ---------------------------------------------------------------------------
 
 def test_op_falls_back_on_cpu_passes_opcheck_and_compiles():
@@ -129,6 +219,20 @@ def test_op_refuses_bad_shapes_and_large_batches_with_value_errors():
         gemv_op(torch.randn(17, 40), w)
     with pytest.raises(ValueError, match="takes x"):
         gemv_op(x[None], w)
+
+
+def test_the_fused_ops_fall_back_on_cpu_to_the_unfused_pair_and_pass_opcheck():
+    x, w = _inputs(4, 24, 40, torch.float32)
+    r = torch.randn(4, 24)
+    assert torch.equal(gemv_residual(x, w, r), r + x @ w.T)
+    assert torch.equal(gemv_swiglu(x, w), gemv_epilogue_reference(x, w, EPI_SWIGLU))
+    assert gemv_residual(x[0], w, r[0]).shape == (24,) and gemv_swiglu(x[0], w).shape == (12,)
+    torch.library.opcheck(gemv_residual, (x, w, r))
+    torch.library.opcheck(gemv_swiglu, (x, w))
+    with pytest.raises(ValueError, match="residual of the result's shape \\(4, 24\\)"):
+        gemv_residual(x, w, r[:, :5])
+    with pytest.raises(ValueError, match="fused gate/up weight"):
+        gemv_swiglu(x, w[:23])
 
 
 # --- on the GPU ------------------------------------------------------------------------------
@@ -214,3 +318,23 @@ def test_op_on_the_gpu_runs_our_kernel_and_compiles_with_inductor():
     compiled = torch.compile(lambda a, b: gemv_op(a, b), fullgraph=True)
     assert_matches(compiled(x, w), x.double() @ w.double().T, torch.bfloat16)
     assert_matches(gemv_op(x[1], w), x[1].double() @ w.double().T, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("n, k, epilogue", [(4096, 14336, EPI_RESIDUAL), (14336, 4096, EPI_SWIGLU),
+                                            (777, 1000, EPI_RESIDUAL), (777, 1000, EPI_SWIGLU)], ids=str)
+def test_fused_epilogues_on_the_gpu_give_the_unfused_pairs_bits(n, k, epilogue, batch):
+    """Llama-3-8B's down projection with the residual and its gate/up projection with SwiGLU,
+    and odd widths: one token on gemv_rows.cu, three on the Triton kernel, each against the GEMV
+    then `kforge.ops.swiglu` or the add, as the decode step ran them unfused."""
+    from kforge.ops.swiglu import swiglu
+
+    rows = 2 * n if epilogue == EPI_SWIGLU else n
+    x, w = _inputs(batch, rows, k, torch.bfloat16, "cuda")
+    residual = torch.randn(batch, n, device="cuda").to(torch.bfloat16)
+    if epilogue == EPI_RESIDUAL:
+        got, unfused = gemv_residual(x, w, residual), residual + gemv_op(x, w)
+    else:
+        got, unfused = gemv_swiglu(x, w), swiglu(gemv_op(x, w))
+    assert torch.equal(got, unfused)

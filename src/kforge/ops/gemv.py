@@ -1,4 +1,6 @@
-"""`kforge.ops.gemv(x, weight)`: y = x @ weight.T for 1 to 16 token rows, on kforge's decode GEMV.
+"""`kforge.ops.gemv(x, weight)`: y = x @ weight.T for 1 to 16 token rows, on kforge's decode GEMV;
+`gemv_residual(x, weight, residual)` = residual + x @ weight.T and `gemv_swiglu(x, w_gate_up)` =
+silu(x @ W_gate.T) * (x @ W_up.T), the op after the projection fused into its store.
 
 x is (K,) or (batch, K) with batch <= 16, weight is (N, K) as nn.Linear stores it; y is
 (N,) or (batch, N) in x's dtype, accumulated in fp32. Minimum HBM bytes: the weight read
@@ -8,14 +10,16 @@ reaches. More rows than 16 are a GEMM's job and are refused.
 A `torch.library` custom op (inference only: no autograd formula): torch.compile sees one
 opaque node. The kernel runs for fp16/bf16/fp32 CUDA tensors on Hopper whose rows are
 contiguous (x is made contiguous if it is not: it is small); anything else, the CPU
-included, computes x @ weight.T in PyTorch.
+included, computes x @ weight.T in PyTorch. The fused two round the product to x's dtype
+before the add or SwiGLU, so they give the bits of the unfused pair (`kforge.ops.swiglu` for
+the SwiGLU): a decode step fused or not decodes the same tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kforge.kernels.serving.gemv import MAX_BATCH, gemv_reference
+from kforge.kernels.serving.gemv import EPI_RESIDUAL, EPI_SWIGLU, MAX_BATCH, gemv_epilogue_reference, gemv_reference
 
 
 def ours_can_run(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -64,3 +68,48 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _check_shapes(x, weight, torch._check_value)  # symbolic shapes: a check, not a guard
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _fused(x: torch.Tensor, weight: torch.Tensor, epilogue: int, residual: torch.Tensor | None) -> torch.Tensor:
+    x = x.contiguous()
+    rows = x.view(-1, x.shape[-1])
+    if residual is not None:
+        residual = residual.contiguous().view(rows.shape[0], -1)
+    if not ours_can_run(x, weight):
+        y = gemv_epilogue_reference(rows, weight, epilogue, residual)
+    else:
+        from kforge.kernels.serving.gemv import check_epilogue_inputs, launch_gemv
+
+        check_epilogue_inputs(rows, weight, epilogue, residual)
+        y = launch_gemv(rows, weight, None, epilogue=epilogue, residual=residual)
+    return y.view(-1) if x.dim() == 1 else y
+
+
+@torch.library.custom_op("kforge::gemv_residual", mutates_args=())
+def gemv_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    _check_shapes(x, weight)
+    require(residual.shape == (*x.shape[:-1], weight.shape[0]) and residual.dtype == x.dtype,
+            lambda: f"kforge::gemv_residual needs a residual of the result's shape "
+                    f"{(*x.shape[:-1], weight.shape[0])} and dtype {x.dtype}, got {tuple(residual.shape)} "
+                    f"{residual.dtype}")
+    return _fused(x, weight, EPI_RESIDUAL, residual)
+
+
+@gemv_residual.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    _check_shapes(x, weight, torch._check_value)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("kforge::gemv_swiglu", mutates_args=())
+def gemv_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    _check_shapes(x, weight)
+    require(weight.shape[0] % 2 == 0,
+            lambda: f"kforge::gemv_swiglu takes a fused gate/up weight (2 x hidden, K), got {tuple(weight.shape)}")
+    return _fused(x, weight, EPI_SWIGLU, None)
+
+
+@gemv_swiglu.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    _check_shapes(x, weight, torch._check_value)
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))

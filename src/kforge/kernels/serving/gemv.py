@@ -104,14 +104,11 @@ def _gemv_step(acc, sumsq, x_ptrs, w_ptrs, gamma_ptr, k_index, k0, k_left, MASKE
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, y_ptr, gamma_ptr, batch, n_out, k_in, stride_xb, stride_wn, stride_yb, eps,
-                BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                NORM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_b = tl.arange(0, BLOCK_B)
+def _gemv_tile(x_ptr, w_ptr, gamma_ptr, w_rows, x_rows, k_in, stride_xb, stride_wn, BLOCK_B: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, NORM: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """(BLOCK_B, BLOCK_N) fp32 of x @ W[w_rows]^T, and each x row's sum of squares (NORM)."""
     offs_k = tl.arange(0, BLOCK_K)
-    w_rows = tl.minimum(offs_n, n_out - 1)  # past the end: re-read the last row, never store it
-    x_rows = tl.minimum(offs_b, batch - 1)
     if USE_DOT:
         k_index = offs_k[None, :]
         w_ptrs = w_ptr + w_rows[:, None] * stride_wn + k_index
@@ -132,19 +129,43 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, gamma_ptr, batch, n_out, k_in, stride_xb, s
     if k_full < k_in:
         acc, sumsq = _gemv_step(acc, sumsq, x_ptrs, w_ptrs, gamma_ptr, k_index, k_full, k_in - k_full, True, USE_DOT,
                                 NORM, DOT_PRECISION)
-
     if USE_DOT:
         y = tl.trans(acc)
+        row_sumsq = tl.sum(sumsq, 1, keep_dims=True)
     else:
         y = tl.sum(acc, 2)
+        row_sumsq = tl.sum(sumsq, 2)
+    return y, row_sumsq
+
+
+# What follows the projection, fused into its store (EPILOGUE): see `launch_gemv`.
+EPI_NONE, EPI_RESIDUAL, EPI_SWIGLU = 0, 1, 2
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, y_ptr, gamma_ptr, residual_ptr, batch, n_out, k_in, stride_xb, stride_wn, stride_yb,
+                stride_rb, eps, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                USE_DOT: tl.constexpr, NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, EPILOGUE: tl.constexpr = 0):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_b = tl.arange(0, BLOCK_B)
+    w_rows = tl.minimum(offs_n, n_out - 1)  # past the end: re-read the last row, never store it
+    x_rows = tl.minimum(offs_b, batch - 1)
+    y, row_sumsq = _gemv_tile(x_ptr, w_ptr, gamma_ptr, w_rows, x_rows, k_in, stride_xb, stride_wn, BLOCK_B, BLOCK_N,
+                              BLOCK_K, USE_DOT, NORM, DOT_PRECISION)
     if NORM:  # r = 1/sqrt(mean(x^2) + eps) of each batch row, as (BLOCK_B, 1)
-        if USE_DOT:
-            row_sumsq = tl.sum(sumsq, 1, keep_dims=True)
-        else:
-            row_sumsq = tl.sum(sumsq, 2)
         y = y * tl.rsqrt(row_sumsq / k_in + eps)
     keep = (offs_b[:, None] < batch) & (offs_n[None, :] < n_out)
-    tl.store(y_ptr + offs_b[:, None] * stride_yb + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=keep)
+    out_type = y_ptr.dtype.element_ty
+    # The epilogues round the product to the output's dtype first, as the unfused pair would
+    if EPILOGUE == 1:  # EPI_RESIDUAL: y = residual + x W^T
+        residual = tl.load(residual_ptr + offs_b[:, None] * stride_rb + offs_n[None, :], mask=keep, other=0.0)
+        y = residual.to(tl.float32) + y.to(out_type).to(tl.float32)
+    elif EPILOGUE == 2:  # EPI_SWIGLU: W has 2 n_out rows, gate then up; y = silu(gate) * up
+        up, _ = _gemv_tile(x_ptr, w_ptr, gamma_ptr, w_rows + n_out, x_rows, k_in, stride_xb, stride_wn, BLOCK_B,
+                           BLOCK_N, BLOCK_K, USE_DOT, NORM, DOT_PRECISION)
+        gate = y.to(out_type).to(tl.float32)
+        y = gate * tl.sigmoid(gate) * up.to(out_type).to(tl.float32)  # kernels/serving/swiglu.py's arithmetic
+    tl.store(y_ptr + offs_b[:, None] * stride_yb + offs_n[None, :], y.to(out_type), mask=keep)
 
 
 def _config(block_n, block_k, use_dot, warps, stages=1):
@@ -168,7 +189,7 @@ def _configs_for(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["USE_DOT"] or block_b * c.kwargs["BLOCK_N"] == CUDA_CORE_ROWS]
 
 
-gemv_autotuned = triton.autotune(CONFIGS, key=["n_out", "k_in", "BLOCK_B", "NORM"],
+gemv_autotuned = triton.autotune(CONFIGS, key=["n_out", "k_in", "BLOCK_B", "NORM", "EPILOGUE"],
                                  prune_configs_by={"early_config_prune": _configs_for})(gemv_kernel)
 
 INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128, "USE_DOT": False}
@@ -208,64 +229,108 @@ def rows_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 _ROWS_LAUNCHES: dict[tuple, object] = {}
 
 
-def launch_rows_kernel(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> None:
-    """y (1, N) = x (1, K) @ weight^T on gemv_rows.cu, launched through a kept LeanLaunch."""
-    n, k = weight.shape
+def launch_rows_kernel(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, epilogue: int = EPI_NONE,
+                       residual: torch.Tensor | None = None) -> None:
+    """y (1, N) = epilogue(x (1, K) @ weight^T) on gemv_rows.cu (one build per epilogue), launched
+    through a kept LeanLaunch; N is y's width (weight has 2N rows with EPI_SWIGLU)."""
+    n, k = y.shape[1], weight.shape[1]
     index = x.device.index
-    key = (n, k, weight.stride(0), index)
+    key = (epilogue, n, k, weight.stride(0), index)
     launch = _ROWS_LAUNCHES.get(key)
     if launch is None:
         from kforge.runtime.cuda import CudaKernel
 
-        kernel = _ROWS_LAUNCHES.get("kernel") or CudaKernel.from_file(ROWS_SOURCE, "gemv_bf16")
-        _ROWS_LAUNCHES["kernel"] = kernel
+        kernel = _ROWS_LAUNCHES.get(epilogue)
+        if kernel is None:
+            kernel = _ROWS_LAUNCHES[epilogue] = CudaKernel.from_file(ROWS_SOURCE, "gemv_bf16",
+                                                                     defines={"EPILOGUE": epilogue})
         launch = _ROWS_LAUNCHES[key] = kernel.lean(triton.cdiv(n, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK, index,
-                                                   kinds=("ptr", "ptr", "ptr", "i32", "i32", "i32"))
+                                                   kinds=("ptr", "ptr", "ptr", "i32", "i32", "i32", "ptr"))
     launch(torch._C._cuda_getCurrentRawStream(index), weight.data_ptr(), x.data_ptr(), y.data_ptr(), n, k // 8,
-           weight.stride(0) // 8)
+           weight.stride(0) // 8, 0 if residual is None else residual.data_ptr())
 
 
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None, *, norm_eps: float | None = None,
-                norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+                norm_weight: torch.Tensor | None = None, epilogue: int = EPI_NONE,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T (batch, N) for checked 2-D x; with `norm_eps`, y = rmsnorm(x; norm_weight, norm_eps) @ W^T
-    (no norm_weight: gamma is folded into W). With ROWS_KERNEL_ENABLED, one bf16 token without
-    a norm or a config takes the CUDA kernel (`rows_kernel_fits`)."""
+    (no norm_weight: gamma is folded into W). `epilogue` fuses what follows: EPI_RESIDUAL adds
+    `residual` (batch, N); EPI_SWIGLU takes W (2N, K) as gate rows then up rows and gives
+    silu(x W_gate^T) * x W_up^T (batch, N). Either rounds the product to x's dtype before it,
+    so the result has the bits of the unfused pair (`gemv_epilogue_reference`). With
+    ROWS_KERNEL_ENABLED, one bf16 token without a norm or a config takes the CUDA kernel
+    (`rows_kernel_fits`)."""
     batch, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if epilogue == EPI_SWIGLU else weight.shape[0]
     y = torch.empty((batch, n), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    if ROWS_KERNEL_ENABLED and config is None and norm_eps is None and rows_kernel_fits(x, weight):
-        launch_rows_kernel(x, weight, y)
+    if ROWS_KERNEL_ENABLED and config is None and norm_eps is None and rows_kernel_fits(x, weight) and (
+            residual is None or residual.stride(1) == 1):
+        launch_rows_kernel(x, weight, y, epilogue, residual)
         return y
     args = dict(BLOCK_B=triton.next_power_of_2(batch), NORM=norm_eps is not None,
-                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EPILOGUE=epilogue)
     eps = 0.0 if norm_eps is None else norm_eps
-    strides = (x.stride(0), weight.stride(0), y.stride(0))
+    strides = (x.stride(0), weight.stride(0), y.stride(0), 0 if residual is None else residual.stride(0))
     if config is None and not x.is_cuda:  # the Triton interpreter: one small tile, no autotuning
         config = INTERPRETER_CONFIG
     if config is None:
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]),)
 
-        gemv_autotuned[grid](x, weight, y, norm_weight, batch, n, k, *strides, eps, **args)
+        gemv_autotuned[grid](x, weight, y, norm_weight, residual, batch, n, k, *strides, eps, **args)
     else:
         blocks = {key: config[key] for key in ("BLOCK_N", "BLOCK_K", "USE_DOT")}
         gemv_kernel[(triton.cdiv(n, blocks["BLOCK_N"]),)](
-            x, weight, y, norm_weight, batch, n, k, *strides, eps, **args, **blocks,
+            x, weight, y, norm_weight, residual, batch, n, k, *strides, eps, **args, **blocks,
             num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 1))
     return y
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
+def check_epilogue_inputs(x: torch.Tensor, weight: torch.Tensor, epilogue: int,
+                          residual: torch.Tensor | None) -> None:
+    """Raise ValueError on an epilogue's operands `check_gemv_inputs` does not cover (x 2-D)."""
+    if epilogue == EPI_SWIGLU and weight.shape[0] % 2:
+        raise ValueError(f"a fused gate/up weight has 2 x hidden rows, got {weight.shape[0]}")
+    if epilogue == EPI_RESIDUAL:
+        if residual is None or residual.shape != (x.shape[0], weight.shape[0]):
+            raise ValueError(f"residual must be (batch, N) = {(x.shape[0], weight.shape[0])}, got "
+                             f"{None if residual is None else tuple(residual.shape)}")
+        if residual.dtype != x.dtype or residual.device != x.device or residual.stride(1) != 1:
+            raise ValueError(f"residual must be a {x.dtype} tensor on {x.device} with contiguous rows, got "
+                             f"{residual.dtype} on {residual.device}, strides {residual.stride()}")
+
+
+def gemv_epilogue_reference(x: torch.Tensor, weight: torch.Tensor, epilogue: int,
+                            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The unfused pair in eager PyTorch: the product rounded to x's dtype, then the add or
+    SwiGLU (`swiglu_reference`: fp32 arithmetic, one rounding)."""
+    from kforge.kernels.serving.swiglu import swiglu_reference
+
+    y = gemv_reference(x, weight)
+    if epilogue == EPI_RESIDUAL:
+        return residual + y
+    if epilogue == EPI_SWIGLU:
+        return swiglu_reference(y)
+    return y
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, *, config: dict | None = None, epilogue: int = EPI_NONE,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T for x (K,) or (batch <= 16, K) and weight (N, K), fp32 accumulation.
 
     The result has x's dtype and shape (N,) or (batch, N). `config` (BLOCK_N, BLOCK_K,
     USE_DOT, num_warps, num_stages) skips the autotuner: the CPU tests pick tiles for
-    the Triton interpreter.
+    the Triton interpreter. `epilogue` and `residual` as `launch_gemv` takes them (the
+    residual shaped as the result).
     """
     check_gemv_inputs(x, weight)
-    y = launch_gemv(x.view(1, -1) if x.dim() == 1 else x, weight, config)
+    rows = x.view(1, -1) if x.dim() == 1 else x
+    if residual is not None and x.dim() == 1:
+        residual = residual.view(1, -1)
+    check_epilogue_inputs(rows, weight, epilogue, residual)
+    y = launch_gemv(rows, weight, config, epilogue=epilogue, residual=residual)
     return y.view(-1) if x.dim() == 1 else y
 
 

@@ -13,7 +13,9 @@ each), then prompt chunks. Per layer, on `kforge.ops`:
     x, h   = rms_norm(a @ wo, ffn_norm, residual=h)     the residual add fused into the norm
     h      = h + swiglu(x @ w_gate_up) @ w_down        gate and up in one GEMM
 
-Linear layers of up to 16 rows run kforge's decode GEMV, larger ones kforge's GEMM; weights
+Linear layers of up to 16 rows run kforge's decode GEMV, larger ones kforge's GEMM; at decode
+the GEMV stores swiglu(gate, up) and h + y itself (`linear_swiglu`, `linear_residual`: two
+launches a layer fewer, the same bits) for unquantized weights; weights
 quantized at load time (quantize.py) take `w4a16_matmul` or `fp8_gemm` instead (and a
 quantized wqkv an unfused rms_norm first). On a CPU every op runs its PyTorch reference, so
 the CPU tests run this very code. Logits are computed only for the rows that yield a token
@@ -72,6 +74,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight) -> to
     if x.shape[0] <= GEMV_MAX_ROWS:
         return ops.gemv(x, weight)
     return ops.matmul(x, weight.t())
+
+
+def linear_swiglu(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight) -> torch.Tensor:
+    """swiglu(x @ weight.T) of a fused gate/up weight: for a plain weight at decode, one GEMV with
+    SwiGLU in its store (the same bits as the pair, one launch less); otherwise the pair."""
+    if isinstance(weight, torch.Tensor) and x.shape[0] <= GEMV_MAX_ROWS:
+        return ops.gemv_swiglu(x, weight)
+    return ops.swiglu(linear(x, weight))
+
+
+def linear_residual(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight,
+                    residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ weight.T: for a plain weight at decode, the add in the GEMV's store."""
+    if isinstance(weight, torch.Tensor) and x.shape[0] <= GEMV_MAX_ROWS:
+        return ops.gemv_residual(x, weight, residual)
+    return residual + linear(x, weight)
 
 
 class KVCache:
@@ -284,7 +302,7 @@ class Llama(nn.Module):
         """The residual stream after the block: the output projection, the norm, SwiGLU."""
         c = self.config
         x, h = ops.rms_norm(linear(attention.view(-1, c.q_dim), block.wo), block.ffn_norm, c.norm_eps, residual=h)
-        return h + linear(ops.swiglu(linear(x, block.w_gate_up)), block.w_down)
+        return linear_residual(linear_swiglu(x, block.w_gate_up), block.w_down, h)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return linear(ops.rms_norm(h, self.norm, self.config.norm_eps), self.head_weight()).float()
