@@ -1,6 +1,7 @@
 """Where one decode step of the Llama engine spends its time: every kernel of a graphed step, by position in the layer.
 
     python scripts/decode_profile.py [--model llama3-8b] [--weights bf16|w4a16|fp8] [--batch 1] [--prompt 512]
+                                     [--unfused]
 
 Builds the preset with random weights as `kforge bench model` does, prefills one prompt per
 slot, warms the decode graph up, then (1) times 30 steps back to back with CUDA events and
@@ -10,7 +11,9 @@ position in the layer, the kernel's name and its mean time over the layers and s
 the kernels before the first layer and after the last (embedding, final norm, LM head,
 sampling). Last, the step's time against the sum of its kernels: what is left is the
 gaps between kernels. The weight read by each projection and its floor at the measured copy
-rate are printed beside, so the GEMVs' bandwidth can be read off the table.
+rate are printed beside, so the GEMVs' bandwidth can be read off the table. `--unfused` runs
+every op of the step on its own (`kforge.models.llama.model.FUSED_DECODE = False`): the same
+numbers in more launches, so two runs, one with it, give what the fusions buy.
 """
 
 from __future__ import annotations
@@ -54,7 +57,12 @@ def main() -> None:
     parser.add_argument("--weights", default="bf16", choices=("bf16", "w4a16", "fp8"))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--unfused", action="store_true", help="each op of the step on its own (no decode fusions)")
     args = parser.parse_args()
+
+    from kforge.models.llama import model as llama_model
+
+    llama_model.FUSED_DECODE = not args.unfused
 
     from kforge.bench.model import copy_bandwidth, time_steps
     from kforge.device import current_device
@@ -95,7 +103,8 @@ def main() -> None:
     step_ms = timing.median_ms
     kernel_ms = sum(us for _, _, us in kernels) / profiled / 1e3
     w_bytes = weight_bytes(model)
-    print(f"# {args.model} {args.weights}, batch {args.batch}, prompt {args.prompt}; {device.name}, "
+    fusions = "unfused" if args.unfused else "fused"
+    print(f"# {args.model} {args.weights} ({fusions}), batch {args.batch}, prompt {args.prompt}; {device.name}, "
           f"torch {torch.__version__}; copy {copy_gbps:,.0f} GB/s ({copy_source})")
     print(f"# step {step_ms:.3f} ms (median of {timed}, {timing.clock}); {per_step} kernels a step, "
           f"{period} a layer x {config.n_layers} layers from kernel {first}")

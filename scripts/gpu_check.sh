@@ -23,6 +23,8 @@
 #   models   (the Llama engine's GPU tests: 1B against transformers, decode graphs, bottom-right varlen; a generate)
 #   bench-model   (kforge bench model on llama3-8b: decode, batch, trace, prefill; BENCH_MODEL_SECONDS, default 360)
 #   decode-profile   (scripts/decode_profile.py: one graphed llama3-8b decode step kernel by kernel, in bf16, W4A16, FP8)
+#   decode-fused   (the decode fusions' GPU tests: GEMV epilogues, RoPE + append, one-launch decode attention, the
+#                   engine's graphs; then decode_profile.py fused and --unfused, alternating, twice, in DECODE_WEIGHTS)
 #   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
 #   fp8-gemv   (the FP8 decode GEMV's GPU tests, and the engine's FP8 decode through it)
 #   deepseek   (chain and tree speculative sampling, MLA decode, DSA's indexer and sparse MLA, the
@@ -259,6 +261,20 @@ if [[ $parts == *" decode-profile "* ]]; then
   for weights in bf16 w4a16 fp8; do
     python3 scripts/decode_profile.py --model llama3-8b --weights $weights 2>&1 | grep -v "UserWarning\|_warn_once" \
       | tee "$out/decode-profile-$weights.txt"
+  done
+fi
+if [[ $parts == *" decode-fused "* ]]; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gemv.py tests/kernels/test_rope_append.py \
+    tests/kernels/test_paged_attention.py tests/models/test_decode_graphs.py tests/models/test_llama_gpu.py 2>&1 \
+    | tee "$out/pytest-decode-fused-gpu.txt" | tail -30
+  for weights in ${DECODE_WEIGHTS:-bf16}; do
+    for run in 1 2; do
+      for fusions in fused unfused; do
+        python3 scripts/decode_profile.py --model llama3-8b --weights $weights $([ $fusions = unfused ] && echo --unfused) \
+          2>&1 | grep -v "UserWarning\|_warn_once" > "$out/decode-$weights-$fusions-$run.txt"
+        echo "$weights $fusions run $run: $(grep -m1 "^# step" "$out/decode-$weights-$fusions-$run.txt")"
+      done
+    done
   done
 fi
 if [[ $parts == *" bench-model "* ]]; then

@@ -76,10 +76,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight) -> to
     return ops.matmul(x, weight.t())
 
 
+# The decode step's fusions (see the module docstring); False runs each op on its own, the same
+# numbers in more launches: scripts/decode_profile.py --unfused times the difference.
+FUSED_DECODE = True
+
+
 def linear_swiglu(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight) -> torch.Tensor:
     """swiglu(x @ weight.T) of a fused gate/up weight: for a plain weight at decode, one GEMV with
     SwiGLU in its store (the same bits as the pair, one launch less); otherwise the pair."""
-    if isinstance(weight, torch.Tensor) and x.shape[0] <= GEMV_MAX_ROWS:
+    if FUSED_DECODE and isinstance(weight, torch.Tensor) and x.shape[0] <= GEMV_MAX_ROWS:
         return ops.gemv_swiglu(x, weight)
     return ops.swiglu(linear(x, weight))
 
@@ -87,7 +92,7 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight
 def linear_residual(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight,
                     residual: torch.Tensor) -> torch.Tensor:
     """residual + x @ weight.T: for a plain weight at decode, the add in the GEMV's store."""
-    if isinstance(weight, torch.Tensor) and x.shape[0] <= GEMV_MAX_ROWS:
+    if FUSED_DECODE and isinstance(weight, torch.Tensor) and x.shape[0] <= GEMV_MAX_ROWS:
         return ops.gemv_residual(x, weight, residual)
     return residual + linear(x, weight)
 
