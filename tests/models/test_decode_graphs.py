@@ -168,3 +168,28 @@ def test_engine_warmup_captures_every_bucket_and_generates_the_eager_tokens():
     graphed = engine.generate(prompts, params)  # 5 rows a decode step, padded to 6
     eager = Engine(model, max_slots=6, max_context=128, cuda_graphs=False).generate(prompts, params)
     assert [tokens[:4] for tokens in graphed] == [tokens[:4] for tokens in eager], (graphed, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["bf16", "w4a16"])
+def test_the_fused_decode_step_gives_the_unfused_steps_logits_bit_for_bit(weights, monkeypatch):
+    """The decode fusions (GEMV epilogues, ...) keep the unfused ops' arithmetic: graphs captured
+    with FUSED_DECODE on and off replay the same steps to the same logits, bit for bit."""
+    from kforge.models.llama import model as llama_model
+
+    model = llama3_1b_two_layers(weights)
+    logits = {}
+    for fused in (True, False):
+        monkeypatch.setattr(llama_model, "FUSED_DECODE", fused)
+        cache = KVCache(model.config, num_pages=16, page_size=16, max_slots=4, max_context=256,
+                        dtype=torch.bfloat16, device="cuda")
+        prompts = [list(range(1000, 1000 + n)) for n in (14, 15, 30, 100)]
+        for slot, prompt in enumerate(prompts):
+            cache.assign(slot, interleaved_pages(slot, 4, 4))
+        model(Batch.build([], [(slot, 0, p, True) for slot, p in enumerate(prompts)], "cuda"), cache)
+        graphs = DecodeGraphs(model, cache, max_batch=4, max_context=256)
+        steps = []
+        for step, n in enumerate((1, 4, 3) * 4):
+            steps.append(graphs([(slot, cache.lengths[slot], 7 + step + slot) for slot in range(n)]).clone())
+        logits[fused] = torch.stack([s[0] for s in steps])
+    assert torch.equal(logits[True], logits[False])
