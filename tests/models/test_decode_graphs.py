@@ -170,26 +170,39 @@ def test_engine_warmup_captures_every_bucket_and_generates_the_eager_tokens():
     assert [tokens[:4] for tokens in graphed] == [tokens[:4] for tokens in eager], (graphed, eager)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("weights", ["bf16", "w4a16"])
-def test_the_fused_decode_step_gives_the_unfused_steps_logits_bit_for_bit(weights, monkeypatch):
-    """The decode fusions (GEMV epilogues, ...) keep the unfused ops' arithmetic: graphs captured
-    with FUSED_DECODE on and off replay the same steps to the same logits, bit for bit."""
+def fused_and_unfused_logits(model: Llama, device: str, dtype: torch.dtype, monkeypatch) -> dict[bool, torch.Tensor]:
+    """Twelve decode steps of 1, 4 and 3 rows (contexts crossing page ends) replayed through
+    DecodeGraphs (eagerly on CPU) with the model's decode fusions on and off."""
     from kforge.models.llama import model as llama_model
 
-    model = llama3_1b_two_layers(weights)
     logits = {}
     for fused in (True, False):
         monkeypatch.setattr(llama_model, "FUSED_DECODE", fused)
-        cache = KVCache(model.config, num_pages=16, page_size=16, max_slots=4, max_context=256,
-                        dtype=torch.bfloat16, device="cuda")
-        prompts = [list(range(1000, 1000 + n)) for n in (14, 15, 30, 100)]
+        cache = KVCache(model.config, num_pages=16, page_size=16, max_slots=4, max_context=256, dtype=dtype,
+                        device=device)
+        prompts = [list(range(100, 100 + n)) for n in (14, 15, 30, 40)]  # up to 44 of 64 tokens
         for slot, prompt in enumerate(prompts):
             cache.assign(slot, interleaved_pages(slot, 4, 4))
-        model(Batch.build([], [(slot, 0, p, True) for slot, p in enumerate(prompts)], "cuda"), cache)
+        model(Batch.build([], [(slot, 0, p, True) for slot, p in enumerate(prompts)], device), cache)
         graphs = DecodeGraphs(model, cache, max_batch=4, max_context=256)
-        steps = []
-        for step, n in enumerate((1, 4, 3) * 4):
-            steps.append(graphs([(slot, cache.lengths[slot], 7 + step + slot) for slot in range(n)]).clone())
-        logits[fused] = torch.stack([s[0] for s in steps])
+        steps = [graphs([(slot, cache.lengths[slot], 7 + step + slot) for slot in range(n)])[0].clone()
+                 for step, n in enumerate((1, 4, 3) * 4)]
+        logits[fused] = torch.stack(steps)
+    return logits
+
+
+def test_the_fused_decode_step_computes_what_the_unfused_one_does(tiny, monkeypatch):
+    """On CPU every op is its reference, so this checks the wiring: the fused path still rotates
+    q and k, appends k and v where the unfused one does, and adds the residual."""
+    logits = fused_and_unfused_logits(tiny, "cpu", torch.float32, monkeypatch)
+    assert torch.equal(logits[True], logits[False])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["bf16", "w4a16"])
+def test_the_fused_decode_step_gives_the_unfused_steps_logits_bit_for_bit(weights, monkeypatch):
+    """The decode fusions (GEMV epilogues, RoPE + append, the one-launch attention) keep the
+    unfused ops' arithmetic: graphs captured with FUSED_DECODE on and off replay the same steps
+    to the same logits, bit for bit."""
+    logits = fused_and_unfused_logits(llama3_1b_two_layers(weights), "cuda", torch.bfloat16, monkeypatch)
     assert torch.equal(logits[True], logits[False])

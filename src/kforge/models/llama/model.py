@@ -15,7 +15,8 @@ each), then prompt chunks. Per layer, on `kforge.ops`:
 
 Linear layers of up to 16 rows run kforge's decode GEMV, larger ones kforge's GEMM; at decode
 the GEMV stores swiglu(gate, up) and h + y itself (`linear_swiglu`, `linear_residual`: two
-launches a layer fewer, the same bits) for unquantized weights; weights
+launches a layer fewer, the same bits) for unquantized weights, and one kernel rotates q and k
+and appends k and v (`rope_paged_kv_append`) in every format; weights
 quantized at load time (quantize.py) take `w4a16_matmul` or `fp8_gemm` instead (and a
 quantized wqkv an unfused rms_norm first). On a CPU every op runs its PyTorch reference, so
 the CPU tests run this very code. Logits are computed only for the rows that yield a token
@@ -281,17 +282,21 @@ class Llama(nn.Module):
         after = before + 1
         h = F.embedding(tokens, self.embed)
         for layer, block in enumerate(self.layers):
-            q, k, v = self._qkv(block, h, positions, rope)
             k_pool, v_pool = cache.k[layer], cache.v[layer]
             # k, v and q are views into the QKV projection: the kernels take their strides as they are
-            ops.paged_kv_append(k, v, k_pool, v_pool, tables, before, validate=False)
+            q, k, v = self._qkv(block, h, positions, rope, rotate=not FUSED_DECODE)
+            if FUSED_DECODE:  # RoPE and the append in one launch, the same bits as the pair
+                ops.rope_paged_kv_append(q, k, v, positions, rope, k_pool, v_pool, tables, before, validate=False)
+            else:
+                ops.paged_kv_append(k, v, k_pool, v_pool, tables, before, validate=False)
             out = ops.paged_decode_attention(q, k_pool, v_pool, tables, after, validate=False)
             h = self._after_attention(block, out, h)
         return self._logits(h)
 
-    def _qkv(self, block: Block, h: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
+    def _qkv(self, block: Block, h: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, rotate: bool = True
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The block's normed QKV projection as (T, heads, head_dim) views, q and k rotated."""
+        """The block's normed QKV projection as (T, heads, head_dim) views, q and k rotated (unless
+        not `rotate`: the caller's kernel does it)."""
         c = self.config
         if isinstance(block.wqkv, torch.Tensor):
             qkv = ops.rms_norm_qkv(h, block.attn_norm, block.wqkv, c.norm_eps)
@@ -300,7 +305,8 @@ class Llama(nn.Module):
         q = qkv[:, :c.q_dim].view(-1, c.n_heads, c.head_dim)
         k = qkv[:, c.q_dim:c.q_dim + c.kv_dim].view(-1, c.n_kv_heads, c.head_dim)
         v = qkv[:, c.q_dim + c.kv_dim:].view(-1, c.n_kv_heads, c.head_dim)
-        _rope(q, k, positions, table)
+        if rotate:
+            _rope(q, k, positions, table)
         return q, k, v
 
     def _after_attention(self, block: Block, attention: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
