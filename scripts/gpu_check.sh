@@ -14,6 +14,7 @@
 #   fused-linear host-profile-level3   (fused_linear_bench.py; host and device time of the Level 3 blocks)
 #   gemv-rows   (the decode GEMV: its GPU tests and gemv_sweep.py, tiles, the one-token CUDA kernel, ceilings)
 #   quant-gemv   (the 4-bit GEMVs: their GPU tests and quant_gemv_sweep.py, CUDA variants, Triton, ceilings)
+#   machine   (the machine loop's GPU tests: a CUDA-backend reply built in the confined worker and judged; profiles)
 #   harness   (the judge's tests on the GPU: hostile candidates, defences, the judge's clock and probe)
 #   gate2   (gate 2 and gate 1's precision on the GPU: KernelBench's adversarial kernels, a 3% win, an identity;
 #            KernelBench's own 23_Softmax and 1_Square_matrix_multiplication_ against hostile candidates,
@@ -174,6 +175,9 @@ if [[ $parts == *" harness "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs tests/harness/test_hostile.py tests/harness/test_defences.py \
     tests/harness/test_judge_gpu.py tests/harness/test_gpu.py tests/harness/test_profile.py 2>&1 \
     | tee "$out/pytest-harness-gpu.txt" | tail -60  # the whole log kept: a failure's traceback is in it
+fi
+if [[ $parts == *" machine "* ]]; then
+  python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/machine 2>&1 | tee "$out/pytest-machine-gpu.txt" | tail -30
 fi
 kb="${KB_DIR:-$PWD/.kb/KernelBench}"
 if [[ $parts == *" gate2 "* ]]; then
