@@ -14,7 +14,7 @@
 #   fused-linear host-profile-level3   (fused_linear_bench.py; host and device time of the Level 3 blocks)
 #   gemv-rows   (the decode GEMV: its GPU tests and gemv_sweep.py, tiles, the one-token CUDA kernel, ceilings)
 #   quant-gemv   (the 4-bit GEMVs: their GPU tests and quant_gemv_sweep.py, CUDA variants, Triton, ceilings)
-#   machine   (the machine loop's GPU tests: a CUDA-backend reply built in the confined worker and judged; profiles)
+#   machine   (the machine loop's GPU test: a CUDA-backend reply built in the confined worker and judged end to end)
 #   harness   (the judge's tests on the GPU: hostile candidates, defences, the judge's clock and probe)
 #   gate2   (gate 2 and gate 1's precision on the GPU: KernelBench's adversarial kernels, a 3% win, an identity;
 #            KernelBench's own 23_Softmax and 1_Square_matrix_multiplication_ against hostile candidates,
