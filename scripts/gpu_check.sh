@@ -27,6 +27,8 @@
 #   decode-fused   (the decode fusions' GPU tests: GEMV epilogues, RoPE + append, one-launch decode attention, the
 #                   engine's graphs; then decode_profile.py fused and --unfused, alternating, twice, in DECODE_WEIGHTS)
 #   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
+#   moe-fp8-cuda   (the CUDA grouped FP8 GEMM's GPU tests first, under a 300 s timeout (it has never run: a hung
+#                   mbarrier must not take the call), then kforge bench moe on the fp8 group)
 #   fp8-gemv   (the FP8 decode GEMV's GPU tests, and the engine's FP8 decode through it)
 #   deepseek   (chain and tree speculative sampling, MLA decode, DSA's indexer and sparse MLA, the
 #               DeepSeek-shaped model's GPU tests and its speculative generation, on the GPU)
@@ -209,6 +211,12 @@ fi
 if [[ $parts == *" moe "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_moe_gating.py tests/kernels/test_moe_dispatch.py \
     tests/kernels/test_moe.py tests/kernels/test_moe_grouped_gemm.py 2>&1 | tail -20 | tee "$out/pytest-moe-gpu.txt"
+fi
+if [[ $parts == *" moe-fp8-cuda "* ]]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_moe_grouped_gemm.py \
+    -k "cuda_fp8 or contiguous_on_the_gpu" 2>&1 | tail -20 | tee "$out/pytest-moe-fp8-cuda-gpu.txt"
+  timeout 420 python3 -m kforge bench moe --shapes fp8 --results "$out/bench-moe-fp8.jsonl" 2>&1 \
+    | tee "$out/bench-moe-fp8.txt" | tail -30
 fi
 if [[ $parts == *" fp8-gemv "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_fp8_gemv.py tests/models/test_decode_graphs.py \

@@ -6,7 +6,8 @@ wgmma serialized by ptxas, and no global loads between the chains (the scales co
 shared memory); the ring fits shared memory; bad inputs are refused with one
 line. On a GPU: odd shapes and tails against float64 into NaN-poisoned outputs, every ring
 depth, DeepGEMM's M-major and broadcast scales, the DeepGEMM shape, and the speed against
-torch._scaled_mm rowwise (printed).
+torch._scaled_mm rowwise (printed). The GROUPED build (MoE's contiguous grouped GEMM): compiled,
+its rows stored from registers, clusters refused; its GPU tests are in test_moe_grouped_gemm.py.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import re
 import pytest
 import torch
 
-from kforge.kernels.quant.fp8_block_gemm import (DEEPEST, SOURCE, check_fp8_block_gemm_inputs, fp8_block_gemm,
-                                                 shared_bytes)
+from kforge.kernels.quant.fp8_block_gemm import (DEEPEST, SOURCE, check_fp8_block_gemm_inputs,
+                                                 check_fp8_grouped_inputs, fp8_block_gemm, shared_bytes)
 from kforge.kernels.quant.fp8_gemm import fp8_gemm_flops
 from test_fp8_gemm import BF16_STEP, GPU_PROMOTED, assert_close, exact, quantized
 
@@ -47,6 +48,45 @@ def test_the_kernel_compiles_to_fp8_wgmma_without_serialization_or_spills(block_
     assert "LDG" not in consumers and "LD.E" not in consumers, "no global loads in the consumers"
     assert re.search(r"\bLDS\b", consumers), "the scales from shared memory"
     assert "LDG.E.CONSTANT" in code[code.rindex("QGMMA"):], "the loaders' scale loads"
+
+
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.slow
+def test_the_grouped_build_keeps_the_mainloop_and_stores_rows_from_registers(block_n, monkeypatch):
+    """GROUPED: the same chains (QGMMA four times a half) with no spills and its promotion rewritten;
+    the epilogue is 4-byte stores, two rows of 16 pairs a half per thread, and no TMA store (a
+    tile's padding rows must stay unwritten); with clusters it does not compile."""
+    from kforge.kernels.quant import fp8_block_gemm as module
+    from kforge.runtime.cuda import CudaCompileError, compile_cuda, resources, sass
+
+    defines = {"BN": block_n, "STAGES": DEEPEST[block_n], "CLUSTER_M": 1}
+    plain, grouped = (compile_cuda(SOURCE, arch="sm_90a", defines={**defines, **extra}) for extra in ({}, {"GROUPED": 1}))
+    used = resources(grouped)["fp8_block_gemm"]
+    assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0)
+    halves = block_n // 128
+    count = lambda pattern, cubin: len(re.findall(pattern, sass(cubin)))
+    assert count(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3\b", grouped) == 4 * halves
+    assert count(r"\bSTG\.E\b", grouped) == 2 * 16 * halves and count(r"\bUTMASTG\b", grouped) == 0
+    assert count(r"\bUTMASTG\b", plain) > 0 and count(r"\bSTG\.E\b", plain) == 0
+    monkeypatch.setattr(module, "compile_cuda", lambda source, defines: compile_cuda(source, arch="sm_90a",
+                                                                                     defines=defines))
+    monkeypatch.setattr(module, "_KERNELS", {})
+    kernel = module.compiled_kernel(DEEPEST[block_n], block_n, 1, grouped=True)
+    assert kernel.cubin.key.endswith(f"+promotion-{module.PROMOTION}"), "the promotion rewritten as ungrouped"
+    with pytest.raises(CudaCompileError, match="no shared B"):
+        compile_cuda(SOURCE, arch="sm_90a", defines={**defines, "GROUPED": 1, "CLUSTER_M": 2})
+
+
+def test_the_grouped_kernel_refuses_what_it_cannot_take_with_one_line():
+    x, w, sa, sb = quantized(256, 64, 256, "block")
+    experts_w, experts_sb = w[None].expand(2, -1, -1).contiguous(), sb[None].expand(2, -1, -1).contiguous()
+    m_indices = torch.zeros(256, dtype=torch.int32)
+    with pytest.raises(ValueError, match="align must be a multiple of 128, got 64"):
+        check_fp8_grouped_inputs(x, experts_w, m_indices, sa, experts_sb, 64)
+    with pytest.raises(ValueError, match="N = 60: .* multiple of 8"):
+        check_fp8_grouped_inputs(x, experts_w[:, :60], m_indices, sa, experts_sb, 128)
+    with pytest.raises(ValueError, match="needs a Hopper GPU"):
+        check_fp8_grouped_inputs(x, experts_w, m_indices, sa, experts_sb, 128)
 
 
 def test_the_default_ring_is_the_deepest_that_fits_and_deeper_is_refused():

@@ -333,6 +333,50 @@ def test_masked_on_the_gpu_every_config(dtype, gated, nan_outputs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("n, k", [(2000, 7168), (136, 1152), (4096, 256)], ids=str)
+def test_the_cuda_fp8_contiguous_kernel_matches_the_reference_and_skips_padding(n, k, block_n, nan_outputs):
+    """quant/fp8_block_gemm.cu built GROUPED: ragged runs at align 128 (an empty expert, a one-row
+    run, a run of 2049: a last tile mostly padding), N tails on both tiles, row-major and M-major
+    activation scales; rows of -1 stay NaN."""
+    from kforge.kernels.quant.fp8_block_gemm import fp8_grouped_gemm_contiguous
+
+    mi = _m_indices([1000, 0, 1, 2049, 300], 128).cuda()
+    x, w, scales = _gpu_operands((len(mi),), 5, n, k, torch.float8_e4m3fn, seed=2)
+    want = grouped_gemm_layout_reference(x, w, mi, "contiguous", **scales)
+    real = mi >= 0
+    for x_scale in (scales["x_scale"], scales["x_scale"].t().contiguous().t()):
+        out = fp8_grouped_gemm_contiguous(x, w, mi, x_scale, scales["w_scale"], block_n=block_n)
+        _assert_close(out[real], want[real], torch.float8_e4m3fn)
+        assert torch.isnan(out[~real]).all()
+
+
+@pytest.mark.gpu
+def test_fp8_contiguous_calls_take_the_cuda_kernel_unless_switched_off(monkeypatch, nan_outputs):
+    from kforge.kernels.moe import grouped_gemm as module
+    from kforge.kernels.quant.fp8_block_gemm import fp8_grouped_gemm_contiguous
+
+    mi = _m_indices([700, 129], 128).cuda()
+    x, w, scales = _gpu_operands((len(mi),), 2, 512, 1024, torch.float8_e4m3fn, seed=3)
+    real = mi >= 0
+    cuda = fp8_grouped_gemm_contiguous(x, w, mi, scales["x_scale"], scales["w_scale"])
+    assert torch.equal(grouped_gemm_contiguous(x, w, mi, **scales)[real], cuda[real])
+    assert torch.equal(op_contiguous(x, w, mi, **scales)[real], cuda[real])
+    monkeypatch.setattr(module, "CUDA_FP8_CONTIGUOUS", False)
+    triton_out = grouped_gemm_contiguous(x, w, mi, **scales)
+    _assert_close(triton_out[real], grouped_gemm_layout_reference(x, w, mi, "contiguous", **scales)[real],
+                  torch.float8_e4m3fn)
+
+
+def test_the_cuda_fp8_contiguous_kernel_is_only_asked_for_what_it_takes():
+    from kforge.kernels.moe.grouped_gemm import cuda_fp8_contiguous_fits
+
+    x = torch.zeros(256, 128).to(torch.float8_e4m3fn)
+    w = torch.zeros(2, 64, 128).to(torch.float8_e4m3fn)
+    assert not cuda_fp8_contiguous_fits(x, w, "contiguous", False, 128), "a CPU tensor"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [64, 2048], ids=["decode", "prefill"])
 def test_layer_at_deepseek_v3_widths_on_the_gpu(tokens):
     operands = _layer(DEEPSEEK_V3, tokens, torch.bfloat16, device="cuda")

@@ -43,6 +43,15 @@
 // board at its 700 W cap, and there ours is 1.02-1.04x rowwise. Versions, and the designs that
 // lost (two partials, three consumers, consumers taking turns, a slice-ring epilogue, a K-split
 // tail): docs/worklogs/quant.md.
+// GROUPED 1 builds DeepGEMM's contiguous grouped GEMM (MoE prefill) on the same schedule: B is the
+// experts' weights stacked [E * N, K] with sb [E, ceil(N/128), K/128], and m_indices [M] names each row's
+// expert (-1 on padding rows); every expert's run of rows starts at a multiple of 128, so a 128-row tile
+// belongs to the expert of its first row. Each role reads that entry and skips a padding tile (-1) the
+// same way, so the ring's positions stay in step; B's tile comes from row expert * N + tile column, the
+// scales from the expert's block. Rows of a tile whose entry is not the tile's expert (the run's padding)
+// are not written: the epilogue stores from registers, row by row, instead of by TMA. No clusters: two
+// row tiles of a cluster may belong to two experts, so they share no B. Compile-checked, not yet run on a
+// GPU (tests/kernels/test_moe_grouped_gemm.py has its GPU tests).
 // Built from the Hopper parts (../hopper/): TMA loads and stores, mbarriers, wgmma (fp8_desc, the e4m3
 // m64n128k32), the grouped tile order, the swizzled epilogue.
 #include "../hopper/tma.cuh"
@@ -60,6 +69,11 @@
 #ifndef CLUSTER_M
 #define CLUSTER_M 1  // CTAs per cluster, on consecutive row tiles sharing one column of B (rung 5's multicast)
 #endif
+
+#ifndef GROUPED
+#define GROUPED 0  // 1: the contiguous grouped GEMM of MoE (the header's last paragraph)
+#endif
+static_assert(!GROUPED || CLUSTER_M == 1, "a cluster's row tiles may belong to different experts: no shared B");
 
 #ifndef BN
 #define BN 256  // 128 or 256 columns: one or two 128-column blocks of sb (HALVES), promoted one at a time
@@ -110,7 +124,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
                const __grid_constant__ TensorMap c_map, int M, int N, int K, const float* __restrict__ a_scale,
                int sa_row_stride, int sa_block_stride, const float* __restrict__ b_scale, int sb_row_stride,
-               int sb_block_stride) {
+               int sb_block_stride
+#if GROUPED
+               , const int* __restrict__ m_indices, int sb_expert_stride, bf16_bits* __restrict__ C
+#endif
+               ) {
     check_launch(NUM_THREADS, SHARED_BYTES);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* tiles =
@@ -128,6 +146,12 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
     const int first_job = blockIdx.x / CLUSTER_M, job_stride = gridDim.x / CLUSTER_M;
     const u32 rank = CLUSTER_M > 1 ? cluster_rank() : 0;
     const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
+    // the expert of row tile tm: every role asks, and all skip a padding tile (-1) alike
+#if GROUPED
+    auto expert_of = [&](int tm) { return __ldg(m_indices + tm * BM); };
+#else
+    auto expert_of = [](int) { return 0; };
+#endif
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -146,14 +170,15 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
             for (int job = first_job; job < jobs; job += job_stride) {
                 int cm, tn;
                 tile_coords(job, cluster_rows, tiles_n, GROUP_M, cm, tn);
-                const int tm = cm * CLUSTER_M + rank;
+                const int tm = cm * CLUSTER_M + rank, expert = expert_of(tm);
+                if (expert < 0) continue;
                 for (int kb = 0; kb < k_blocks; ++kb, ++it) {
                     const int s = it % STAGES;
                     mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
                     mbar_arrive_expect_tx(&full[s], STAGE_BYTES);  // all of B arrives, our share and the peers'
                     tma_load_2d(a_tile(s), a_map, &full[s], kb * BK, tm * BM);
                     if (CLUSTER_M == 1) {
-                        tma_load_2d(b_tile(s), b_map, &full[s], kb * BK, tn * BN);
+                        tma_load_2d(b_tile(s), b_map, &full[s], kb * BK, expert * N + tn * BN);
                     } else {  // this CTA's share of B's rows, written into every CTA of the cluster
                         constexpr int rows = BN / CLUSTER_M;
                         tma_load_2d_multicast(b_tile(s) + rank * rows * BK, b_map, &full[s], kb * BK,
@@ -168,9 +193,14 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
             for (int job = first_job; job < jobs; job += job_stride) {
                 int cm, tn;
                 tile_coords(job, cluster_rows, tiles_n, GROUP_M, cm, tn);
+                const int expert = expert_of(cm * CLUSTER_M + rank);
+                if (expert < 0) continue;
                 // (offsets fit 32 bits: the wrapper checks the scales' largest)
                 const int row = (cm * CLUSTER_M + rank) * BM + lane;  // and + 32, + 64, + 96 (past M: clamped)
-                const int sb_row = min(tn * HALVES + lane, CEIL_DIV(N, 128) - 1) * sb_row_stride;
+                int sb_row = min(tn * HALVES + lane, CEIL_DIV(N, 128) - 1) * sb_row_stride;
+#if GROUPED
+                sb_row += expert * sb_expert_stride;
+#endif
                 for (int kb = (loader - it % SCALE_LOADERS + SCALE_LOADERS) % SCALE_LOADERS; kb < k_blocks;
                      kb += SCALE_LOADERS) {
                     float a[BM / 32], b = lane < HALVES ? __ldg(b_scale + sb_row + kb * sb_block_stride) : 0.0f;
@@ -219,6 +249,8 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
         for (int job = first_job; job < jobs; job += job_stride) {
             int cm, tn;
             tile_coords(job, cluster_rows, tiles_n, GROUP_M, cm, tn);
+            const int expert = expert_of(cm * CLUSTER_M + rank);
+            if (expert < 0) continue;
             const int row0 = (cm * CLUSTER_M + rank) * BM + consumer * 64;
 #pragma unroll
             for (int h = 0; h < HALVES; ++h)
@@ -252,6 +284,26 @@ fp8_block_gemm(const __grid_constant__ TensorMap a_map, const __grid_constant__ 
             }
             it += k_blocks;
 
+#if GROUPED
+            // This thread's two rows (lo_row and 8 below), each written only if it is the tile's expert's:
+            // bf16 pairs from the registers (register 4i + 2r + e: row + 8r, column 8i + 2 (lane % 4) + e)
+            const int r_lo = row0 + 16 * warp + lane / 4, r_hi = r_lo + 8;
+            const bool lo_ok = r_lo < M && __ldg(m_indices + r_lo) == expert;
+            const bool hi_ok = r_hi < M && __ldg(m_indices + r_hi) == expert;
+#pragma unroll
+            for (int h = 0; h < HALVES; ++h)
+#pragma unroll
+                for (int i = 0; i < 16; ++i) {
+                    const int col = tn * BN + 128 * h + 8 * i + 2 * (lane % 4);  // even, and N % 8 == 0
+                    if (col >= N) continue;
+                    if (lo_ok)
+                        *reinterpret_cast<u32*>(C + size_t(r_lo) * N + col) = pack_bf16x2(acc[h][4 * i], acc[h][4 * i + 1]);
+                    if (hi_ok)
+                        *reinterpret_cast<u32*>(C + size_t(r_hi) * N + col) =
+                            pack_bf16x2(acc[h][4 * i + 2], acc[h][4 * i + 3]);
+                }
+            continue;
+#endif
             // Epilogue, 64 columns at a time: wait until the buffer's last store has read it, fill it, store it.
 #pragma unroll
             for (int h = 0; h < HALVES; ++h)

@@ -7,6 +7,10 @@ bf16. K must be a multiple of 128 (one scale block a K step) and N of 8 (C's row
 by TMA, 16-byte aligned). The kernel's design and why it differs from the Triton one: the
 header of the `.cu` file.
 
+`fp8_grouped_gemm_contiguous` runs the same kernel built with GROUPED: DeepGEMM's contiguous grouped
+layout of MoE prefill (the experts' weights [E, N, K], a row's expert in m_indices, runs of rows
+aligned to 128), the contract of `kernels/moe/grouped_gemm.py`'s FP8 contiguous path.
+
 `fp8_block_gemm` launches it through the lean driver path (`runtime/driver.py`): a plan per
 (M, N, K, device) keeps the prepared launch and the operands' TMA descriptors by address.
 
@@ -35,6 +39,7 @@ from kforge.runtime.driver import TensorMaps
 SOURCE = Path(__file__).with_name("fp8_block_gemm.cu")
 PROMOTION = "yield-every-8"  # sass_control's style for the promotion's FFMAs (module docstring)
 KINDS = ("map", "map", "map", "i32", "i32", "i32", "ptr", "i32", "i32", "ptr", "i32", "i32")
+GROUPED_KINDS = (*KINDS, "ptr", "i32", "ptr")  # m_indices, w_scale's expert stride, C
 
 
 def shared_bytes(stages: int, block_n: int) -> int:
@@ -65,24 +70,28 @@ class _Plan:
     launch, and A's, B's and C's TMA descriptors kept by address."""
 
     def __init__(self, kernel: CudaKernel, stages: int, block_n: int, cluster: int, m: int, n: int, k: int,
-                 index: int):
+                 index: int, experts: int = 0):
         jobs = -(-m // (128 * cluster)) * -(-n // block_n)  # a job: one tile per CTA of a cluster
         threads, smem = 384, shared_bytes(stages, block_n)
         with torch.cuda.device(index):
             resident = kernel.max_active_clusters(threads, cluster, smem, index)
-            self.launch = kernel.lean((min(jobs, resident) * cluster,), threads, index, kinds=KINDS,
-                                      shared_bytes=smem, cluster=(cluster, 1, 1) if cluster > 1 else None)
-        # B's box: this CTA's share of a tile's rows (each CTA of a cluster multicasts its share to all)
+            self.launch = kernel.lean((min(jobs, resident) * cluster,), threads, index,
+                                      kinds=GROUPED_KINDS if experts else KINDS, shared_bytes=smem,
+                                      cluster=(cluster, 1, 1) if cluster > 1 else None)
+        # B's box: this CTA's share of a tile's rows (each CTA of a cluster multicasts its share to all);
+        # grouped, B is every expert's N rows stacked
         self.maps = (TensorMaps("uint8", m, k, k, (128, 128)),
-                     TensorMaps("uint8", n, k, k, (block_n // cluster, 128)),
+                     TensorMaps("uint8", max(experts, 1) * n, k, k, (block_n // cluster, 128)),
                      TensorMaps("bfloat16", m, n, 2 * n, (64, 64)))
         self.shape, self.index = (m, n, k), index
 
-    def __call__(self, a, b, c, a_scale, b_scale) -> None:
+    def __call__(self, a, b, c, a_scale, b_scale, *grouped) -> None:
+        """grouped: (m_indices, b_scale's expert stride) for a GROUPED build."""
         maps = (self.maps[0].address_of(a.data_ptr()), self.maps[1].address_of(b.data_ptr()),
                 self.maps[2].address_of(c.data_ptr()))
+        extra = (grouped[0].data_ptr(), grouped[1], c.data_ptr()) if grouped else ()
         self.launch(torch._C._cuda_getCurrentRawStream(self.index), *maps, *self.shape,
-                    a_scale.data_ptr(), *a_scale.stride(), b_scale.data_ptr(), *b_scale.stride())
+                    a_scale.data_ptr(), *a_scale.stride()[-2:], b_scale.data_ptr(), *b_scale.stride()[-2:], *extra)
 
 
 SHARED_LIMIT = 227 * 1024
@@ -91,12 +100,14 @@ _KERNELS: dict[tuple[int, int, int, str], CudaKernel] = {}
 _PLANS: dict[tuple, _Plan] = {}
 
 
-def compiled_kernel(stages: int, block_n: int, cluster: int, promotion: str = PROMOTION) -> CudaKernel:
+def compiled_kernel(stages: int, block_n: int, cluster: int, promotion: str = PROMOTION,
+                    grouped: bool = False) -> CudaKernel:
     """The compiled kernel for one variant, its promotion's FFMAs rewritten in `promotion`'s style
     (`sass_control.STYLES`; "ptxas" leaves them as compiled). Kept per variant."""
-    variant = (stages, block_n, cluster, promotion)
+    variant = (stages, block_n, cluster, promotion, grouped)
     if variant not in _KERNELS:
-        cubin = compile_cuda(SOURCE, defines={"STAGES": stages, "BN": block_n, "CLUSTER_M": cluster})
+        defines = {"STAGES": stages, "BN": block_n, "CLUSTER_M": cluster, **({"GROUPED": 1} if grouped else {})}
+        cubin = compile_cuda(SOURCE, defines=defines)
         try:
             cubin = sass_control.rewrite_promotion(cubin, "fp8_block_gemm", promotion)
         except (KforgeError, OSError, subprocess.SubprocessError) as exc:  # no cuobjdump: correct, 2-3% slower
@@ -138,3 +149,46 @@ def fp8_block_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
     plan(a, b, c, a_scale, b_scale)
     return c
 
+
+
+def check_fp8_grouped_inputs(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor, x_scale: torch.Tensor,
+                             w_scale: torch.Tensor, align: int) -> None:
+    """What the GROUPED build needs beyond `grouped_gemm.check_layout_inputs`' contiguous FP8 contract
+    (which the caller has checked): a Hopper GPU, expert runs aligned to the 128-row tile, TMA rows."""
+    if align % 128:
+        raise ValueError(f"the CUDA grouped FP8 GEMM's tile is 128 rows: align must be a multiple of 128, got {align}")
+    if weight.shape[1] % 8:
+        raise ValueError(f"N = {weight.shape[1]}: C's rows are stored as 4-byte pairs, so N must be a multiple of 8")
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (9, 0):
+        raise ValueError("the CUDA grouped FP8 GEMM needs a Hopper GPU (sm_90a: wgmma and TMA)")
+    if x.data_ptr() % 16 or weight.data_ptr() % 16:
+        raise ValueError("x and weight must be 16-byte aligned: TMA reads them")
+    last = max(sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) for t in (x_scale, w_scale))
+    if last >= 2**31:
+        raise ValueError("the scales' element offsets must fit 32-bit ints (the kernel indexes them so)")
+
+
+def fp8_grouped_gemm_contiguous(x: torch.Tensor, weight: torch.Tensor, m_indices: torch.Tensor,
+                                x_scale: torch.Tensor, w_scale: torch.Tensor, *, align: int = 128,
+                                block_n: int = 256, stages: int | None = None,
+                                promotion: str = PROMOTION) -> torch.Tensor:
+    """out [M, N] bf16: row r of e4m3 x [M, K] times weight[m_indices[r]]^T (weight [E, N, K] e4m3), block
+    scaled by x_scale [M, K/128] and w_scale [E, ceil(N/128), K/128]; runs of rows start at multiples of
+    `align` (of 128); rows with m_indices -1 are not written. The kernel is `fp8_block_gemm` built with
+    GROUPED (the `.cu` header), without clusters; block_n, stages and promotion as `fp8_block_gemm`'s."""
+    check_fp8_grouped_inputs(x, weight, m_indices, x_scale, w_scale, align)
+    if block_n not in DEEPEST:
+        raise ValueError(f"block_n must be one of {tuple(DEEPEST)}, got {block_n}")
+    stages = stages or DEEPEST[block_n]
+    (m, k), (experts, n, _) = x.shape, weight.shape
+    out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return out
+    compiled = compiled_kernel(stages, block_n, 1, promotion, grouped=True)
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    key = ("grouped", experts, m, n, k, stages, block_n, promotion, index, get_ident())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _Plan(compiled, stages, block_n, 1, m, n, k, index, experts=experts)
+    plan(x, weight, out, x_scale, w_scale, m_indices, w_scale.stride(0))
+    return out
