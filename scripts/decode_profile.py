@@ -1,7 +1,7 @@
 """Where one decode step of the Llama engine spends its time: every kernel of a graphed step, by position in the layer.
 
     python scripts/decode_profile.py [--model llama3-8b] [--weights bf16|w4a16|fp8] [--batch 1] [--prompt 512]
-                                     [--unfused]
+                                     [--unfused] [--quantize-head]
 
 Builds the preset with random weights as `kforge bench model` does, prefills one prompt per
 slot, warms the decode graph up, then (1) times 30 steps back to back with CUDA events and
@@ -13,7 +13,9 @@ sampling). Last, the step's time against the sum of its kernels: what is left is
 gaps between kernels. The weight read by each projection and its floor at the measured copy
 rate are printed beside, so the GEMVs' bandwidth can be read off the table. `--unfused` runs
 every op of the step on its own (`kforge.models.llama.model.FUSED_DECODE = False`): the same
-numbers in more launches, so two runs, one with it, give what the fusions buy.
+numbers in more launches, so two runs, one with it, give what the fusions buy. `--quantize-head`
+puts the LM head in the weights' format too (quantize.py; its quality cost is in
+tests/models/test_quantize.py).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--unfused", action="store_true", help="each op of the step on its own (no decode fusions)")
+    parser.add_argument("--quantize-head", action="store_true", help="the LM head in the weights' format too")
     args = parser.parse_args()
 
     from kforge.models.llama import model as llama_model
@@ -75,7 +78,8 @@ def main() -> None:
     device = current_device()
     config = PRESETS[args.model]
     copy_gbps, copy_source = copy_bandwidth(device)
-    model = random_model(config, seed=0, dtype=torch.bfloat16, device=device.torch_device, weights=args.weights)
+    model = random_model(config, seed=0, dtype=torch.bfloat16, device=device.torch_device, weights=args.weights,
+                         quantize_head=args.quantize_head)
     timed, profiled, warmup = 30, 10, 8
     generated = 1 + warmup + timed + profiled + 2
     engine = Engine(model, max_slots=args.batch, max_context=args.prompt + generated,
@@ -103,7 +107,7 @@ def main() -> None:
     step_ms = timing.median_ms
     kernel_ms = sum(us for _, _, us in kernels) / profiled / 1e3
     w_bytes = weight_bytes(model)
-    fusions = "unfused" if args.unfused else "fused"
+    fusions = ("unfused" if args.unfused else "fused") + (", head quantized" if args.quantize_head else "")
     print(f"# {args.model} {args.weights} ({fusions}), batch {args.batch}, prompt {args.prompt}; {device.name}, "
           f"torch {torch.__version__}; copy {copy_gbps:,.0f} GB/s ({copy_source})")
     print(f"# step {step_ms:.3f} ms (median of {timed}, {timing.clock}); {per_step} kernels a step, "
@@ -116,9 +120,9 @@ def main() -> None:
                    "w_gate_up": 2 * c.ffn_dim * c.dim, "w_down": c.dim * c.ffn_dim}
     print("# a layer's projections (read once a step), their floors at the copy rate: " + ", ".join(
         f"{k} {n * itemsize / 1e6:.1f} MB {n * itemsize / copy_gbps / 1e3:.1f} us" for k, n in projections.items()))
-    head = model.head_weight()  # left in the model's dtype by every weight format
-    head_bytes = head.numel() * head.element_size()
-    print(f"# LM head ({head.dtype}) {head_bytes / 1e6:.0f} MB: {head_bytes / copy_gbps / 1e3:.1f} us")
+    head = model.head  # the model's dtype, unless --quantize-head
+    head_bytes, head_format = head.nbytes, type(head).__name__ if args.quantize_head else str(head.dtype)
+    print(f"# LM head ({head_format}) {head_bytes / 1e6:.0f} MB: {head_bytes / copy_gbps / 1e3:.1f} us")
     print(f"{'where':<10} {'us':>9} {'x/step':>7} {'% step':>7}  kernel")
     rows = [(f"pre {i}", statistics.mean(v), 1, names[i]) for i, v in sorted(outside.items()) if i < first]
     rows += [(f"layer {j}", statistics.mean(v), c.n_layers, names[first + j]) for j, v in sorted(by_position.items())]

@@ -25,7 +25,8 @@
 #   bench-model   (kforge bench model on llama3-8b: decode, batch, trace, prefill; BENCH_MODEL_SECONDS, default 360)
 #   decode-profile   (scripts/decode_profile.py: one graphed llama3-8b decode step kernel by kernel, in bf16, W4A16, FP8)
 #   decode-fused   (the decode fusions' GPU tests: GEMV epilogues, RoPE + append, one-launch decode attention, the
-#                   engine's graphs; then decode_profile.py fused and --unfused, alternating, twice, in DECODE_WEIGHTS)
+#                   engine's graphs; then decode_profile.py fused and --unfused, alternating, twice, in DECODE_WEIGHTS,
+#                   default bf16; a quantized format also runs with --quantize-head)
 #   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
 #   moe-fp8-cuda   (the CUDA grouped FP8 GEMM's GPU tests first, under a 300 s timeout (it has never run: a hung
 #                   mbarrier must not take the call), then kforge bench moe on the fp8 group)
@@ -286,6 +287,11 @@ if [[ $parts == *" decode-fused "* ]]; then
           2>&1 | grep -v "UserWarning\|_warn_once" > "$out/decode-$weights-$fusions-$run.txt"
         echo "$weights $fusions run $run: $(grep -m1 "^# step" "$out/decode-$weights-$fusions-$run.txt")"
       done
+      if [[ $weights != bf16 ]]; then  # the LM head in the same format (quantize_head): what its bytes cost
+        python3 scripts/decode_profile.py --model llama3-8b --weights $weights --quantize-head 2>&1 \
+          | grep -v "UserWarning\|_warn_once" > "$out/decode-$weights-head-$run.txt"
+        echo "$weights head quantized run $run: $(grep -m1 "^# step" "$out/decode-$weights-head-$run.txt")"
+      fi
     done
   done
 fi

@@ -6,7 +6,9 @@ need; its logits are nearly flat (the top two a fraction of their spread apart),
 agreement here is a harsh measure, not a forecast for a trained checkpoint. Measured with
 the prompt below against fp32: w4a16 0.198 relative logit error, 0.69 top-1 agreement; fp8
 0.058, 0.96; bf16 itself 0.006, 0.98 (seeds 0-2 and prompts of 24 and 64 tokens: w4a16
-0.16-0.20 and 0.55-0.79, fp8 0.048-0.061 and 0.86-0.96)."""
+0.16-0.20 and 0.55-0.79, fp8 0.048-0.061 and 0.86-0.96). The LM head quantized too (quantize_head,
+seeds 0-2 against each seed's fp32): w4a16 0.22-0.25 and 0.52-0.71 (0.19-0.22 without), fp8
+0.048-0.056 and 0.81-0.92 (0.041-0.049 without)."""
 
 from __future__ import annotations
 
@@ -66,6 +68,32 @@ def test_the_quality_cost_against_fp32_and_bf16_stays_within_bounds(fmt, referen
         print(f"{fmt} vs {reference}: relative logit error {relative:.4f}, top-1 agreement {top1:.3f}")
         assert within_bounds(fmt, relative, top1), (reference, relative, top1)
         assert relative > 3 * bf16_floor, "no quantization error: were the weights quantized?"
+
+
+HEAD_BOUNDS = {"w4a16": (0.3, 0.45), "fp8": (0.09, 0.75)}  # the head quantized too
+
+
+@pytest.mark.parametrize("fmt", ["w4a16", "fp8"])
+def test_a_quantized_head_costs_a_measured_step_of_quality_and_its_bytes_go(fmt, references):
+    blocks_only = random_model(CONFIG, weights=fmt)
+    with_head = random_model(CONFIG, weights=fmt, quantize_head=True)
+    assert isinstance(with_head.head_q, WEIGHT_TYPES[fmt]) and blocks_only.head_q is None
+    assert torch.equal(with_head.head_weight(), blocks_only.head_weight()), "the bf16 head stays"
+    relative, top1 = quality(prompt_logits(with_head, PROMPT), references["fp32"])
+    print(f"{fmt} with its head: relative logit error {relative:.4f}, top-1 agreement {top1:.3f}")
+    max_relative, min_top1 = HEAD_BOUNDS[fmt]
+    assert relative < max_relative and top1 >= min_top1, (relative, top1)
+    assert relative > quality(prompt_logits(blocks_only, PROMPT), references["fp32"])[0], "the head's error adds"
+    head = blocks_only.head_weight()
+    assert weight_bytes(blocks_only) - weight_bytes(with_head) == head.nbytes - with_head.head_q.nbytes > 0
+
+
+def test_a_head_is_quantized_only_in_a_quantized_format():
+    with pytest.raises(ModelError, match="quantize_head needs a quantized format"):
+        random_model(CONFIG, quantize_head=True)
+    odd = dataclasses.replace(CONFIG, dim=192, n_heads=4, n_kv_heads=2)  # 192 is no multiple of 128
+    with pytest.raises(ModelError, match="needs a multiple of 128"):
+        quantize_model(random_model(odd), "fp8", head=True)
 
 
 @pytest.mark.parametrize("fmt", ["w4a16", "fp8"])

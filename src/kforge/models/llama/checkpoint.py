@@ -27,8 +27,9 @@ from kforge.models.llama.quantize import check_format, quantize_model
 
 
 def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", weights: str = "bf16") -> Llama:
-    """`weights`: "bf16" (as `dtype`), "w4a16" or "fp8" (quantize.py; those need dtype bf16).
+                 device: torch.device | str = "cpu", weights: str = "bf16", quantize_head: bool = False) -> Llama:
+    """`weights`: "bf16" (as `dtype`), "w4a16" or "fp8" (quantize.py; those need dtype bf16);
+    `quantize_head`: the LM head in that format too (quantize.py).
 
     On the CPU the weights are `Llama.init_random`'s. On any other device they are drawn there,
     by that device's generator, in `dtype`, with the same distribution (normal, std 0.02; norms 1):
@@ -41,7 +42,7 @@ def random_model(config: LlamaConfig | str, *, seed: int = 0, dtype: torch.dtype
         model = Llama(config).init_random(seed).to(dtype=dtype)
     else:
         model = _random_on_device(config, seed, dtype, torch.device(device))
-    return quantize_model(model.eval(), weights)
+    return quantize_model(model.eval(), weights, head=quantize_head)
 
 
 def _random_on_device(config: LlamaConfig, seed: int, dtype: torch.dtype, device: torch.device,
@@ -62,16 +63,17 @@ def _random_on_device(config: LlamaConfig, seed: int, dtype: torch.dtype, device
 
 
 def from_pretrained(directory: str | Path, *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                    weights: str = "bf16") -> tuple[Llama, object | None]:
-    """The model, its weights in `weights`' format (as random_model), and its tokenizer (None
-    when the directory has no tokenizer.json). Quantization follows the load, on the device."""
+                    weights: str = "bf16", quantize_head: bool = False) -> tuple[Llama, object | None]:
+    """The model, its weights in `weights`' format (and `quantize_head`, as random_model), and its
+    tokenizer (None when the directory has no tokenizer.json). Quantization follows the load, on
+    the device."""
     check_format(weights, dtype)
     directory = Path(directory)
     config = read_config(directory)
     model = Llama(config)
     model.to(device=device, dtype=dtype)
     _load_weights(model, directory)
-    quantize_model(model, weights)
+    quantize_model(model, weights, head=quantize_head)
     tokenizer_file = directory / "tokenizer.json"
     return model.eval(), (load_tokenizer(tokenizer_file) if tokenizer_file.exists() else None)
 

@@ -192,6 +192,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = nn.Parameter(torch.ones(config.dim))
         self.lm_head = None if config.tie_embeddings else nn.Parameter(torch.empty(config.vocab_size, config.dim))
+        self.head_q: Int4Weight | Fp8Weight | None = None  # a quantized copy of the head (quantize.py, head=True)
         self._rope: torch.Tensor | None = None
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> Llama:
@@ -205,6 +206,12 @@ class Llama(nn.Module):
 
     def head_weight(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
+
+    @property
+    def head(self) -> torch.Tensor | Int4Weight | Fp8Weight:
+        """The weight the logits are computed with: the quantized head (quantize.py, head=True) or
+        `head_weight()`."""
+        return self.head_q if self.head_q is not None else self.head_weight()
 
     def rope(self, positions: int) -> torch.Tensor:
         """The [cos | sin] table for `positions` positions on the model's device, built once."""
@@ -316,7 +323,7 @@ class Llama(nn.Module):
         return linear_residual(linear_swiglu(x, block.w_gate_up), block.w_down, h)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(ops.rms_norm(h, self.norm, self.config.norm_eps), self.head_weight()).float()
+        return linear(ops.rms_norm(h, self.norm, self.config.norm_eps), self.head).float()
 
 
 def _offsets(first: int, chunks: list[tuple[int, int, int]]) -> list[int]:
