@@ -4,9 +4,14 @@ float64, on ragged lengths around page and partition boundaries, GQA 1-8, head d
 16-128, page sizes 8-256, shuffled block tables over a NaN-filled pool whose unused pages
 and slots must never be read; the append (exactly the new slots change, and attention
 over the result equals attention over the dense concatenation); a seeded property test
-over random configurations; the checks; the custom ops and PagedKVCache. On a GPU: bf16
-at the issue's target shape, and ragged batches in bf16, fp16 and fp32 with head dims
-64-256, page sizes 16-256 and groups 1-16, all against float64."""
+over random configurations; the checks; the custom ops and PagedKVCache. Every decode
+through `_decode` / `_both_paths` runs both reduces, two kernels and fused, and asserts
+the same bits; the fused reduce's own tests: GQA groups on ragged batches, any order of
+the programs (the interpreter's grid permuted), other step sizes, an empty request, the
+counters (zero after every call, allocated once, never during a capture), the sm_90 build.
+On a GPU: bf16 at the issue's target shape, ragged batches in bf16, fp16 and fp32 with
+head dims 64-256, page sizes 16-256 and groups 1-16, all against float64; the fused reduce
+against two kernels bit for bit at llama3-8b decode shapes, eagerly and in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -16,11 +21,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kforge.kernels.attention.naive import naive_attention
 from kforge.kernels.serving import paged_decode as paged_decode_module
-from kforge.kernels.serving.paged_decode import (DecodePlan, paged_decode, paged_decode_min_bytes,
-                                                 paged_decode_reference, plan_decode)
+from kforge.kernels.serving.paged_decode import (MIN_COUNTERS, DecodePlan, paged_decode, paged_decode_min_bytes,
+                                                 paged_decode_reference, plan_decode, reduce_counters)
 from kforge.kernels.serving.paged_kv import (gather_pages, paged_kv_append, paged_kv_append_min_bytes,
                                              paged_kv_append_reference)
 from kforge.ops.paged_attention import PagedKVCache
@@ -89,8 +96,33 @@ def _dense_attention(q, dense_k, dense_v, scale=None):
     return torch.stack(rows)
 
 
+def _bits(t):
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _assert_same_bits(out, expected):
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    differ = _bits(out) != _bits(expected)
+    assert not differ.any(), f"{int(differ.sum())} of {differ.numel()} elements differ"
+
+
+def _counters_at_rest(device):
+    counters = paged_decode_module._counters.get(torch.device(device))
+    return counters is None or not counters.any()
+
+
+def _both_paths(q, k_cache, v_cache, block_tables, context_lens, **kwargs):
+    """paged_decode with two kernels, then with the fused reduce: the same bits, and the
+    counters back at zero. Returns the output."""
+    two = paged_decode(q, k_cache, v_cache, block_tables, context_lens, fused_reduce=False, **kwargs)
+    fused = paged_decode(q, k_cache, v_cache, block_tables, context_lens, fused_reduce=True, **kwargs)
+    _assert_same_bits(fused, two)
+    assert _counters_at_rest(q.device)
+    return fused
+
+
 def _decode(q, paged, **kwargs):
-    return paged_decode(q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, **kwargs)
+    return _both_paths(q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens, **kwargs)
 
 
 def _assert_matches(out, expected, dtype):
@@ -226,7 +258,7 @@ def test_decode_takes_strided_q_and_caches_with_different_strides():
     padded[..., :16] = paged.v_cache
     k_cache, v_cache = both[:, 0], padded[..., :16]
     assert k_cache.stride() != v_cache.stride() and q.stride(1) == 16 and q.stride(0) == 128
-    out = paged_decode(q, k_cache, v_cache, paged.block_tables, paged.context_lens, config=SPLIT)
+    out = _both_paths(q, k_cache, v_cache, paged.block_tables, paged.context_lens, config=SPLIT)
     _assert_matches(out, _dense_attention(q, paged.dense_k, paged.dense_v), torch.float32)
 
 
@@ -236,7 +268,7 @@ def test_decode_never_reads_table_entries_past_a_request_pages():
     tables[0, 1:] = -1
     tables[1, 3:] = 2**30  # a read there would fault or return garbage
     q = _query(2, 2, 16, torch.float32)
-    out = paged_decode(q, paged.k_cache, paged.v_cache, tables, paged.context_lens, config=SPLIT)
+    out = _both_paths(q, paged.k_cache, paged.v_cache, tables, paged.context_lens, config=SPLIT)
     _assert_matches(out, _dense_attention(q, paged.dense_k, paged.dense_v), torch.float32)
 
 
@@ -244,7 +276,7 @@ def test_decode_without_validation_clamps_lengths_to_the_block_table():
     paged = _paged([16, 10], kv_heads=1, head_dim=16, page_size=8, dtype=torch.float32, seed=7)
     lens = torch.tensor([16 + 5, 10], dtype=torch.int32)  # past the 2 pages x 8 tokens of the row
     q = _query(2, 2, 16, torch.float32)
-    out = paged_decode(q, paged.k_cache, paged.v_cache, paged.block_tables, lens, validate=False, config=SPLIT)
+    out = _both_paths(q, paged.k_cache, paged.v_cache, paged.block_tables, lens, validate=False, config=SPLIT)
     _assert_matches(out, _dense_attention(q, paged.dense_k, paged.dense_v), torch.float32)
 
 
@@ -281,6 +313,212 @@ def test_property_paged_decode_equals_dense_attention_on_random_configurations(n
             f"{config}: {m}"))
 
 
+# --- the fused reduce ------------------------------------------------------------------------
+
+@pytest.fixture
+def reduce_launches(monkeypatch):
+    """The grids kernel 2 is launched with, in order."""
+    launched, kernel = [], paged_decode_module.paged_decode_reduce_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(paged_decode_module, "paged_decode_reduce_kernel", Recorded())
+    return launched
+
+
+@pytest.fixture
+def program_order(monkeypatch):
+    """program_order(order): from then on the interpreter runs each launch's programs in
+    `order`, "reversed" or a seed to shuffle them with, not in the grid's row-major order;
+    each still runs once. (On a GPU a group's programs finish in any order.)"""
+    from triton.runtime.interpreter import interpreter_builder as builder
+
+    set_dim, set_index = builder.set_grid_dim, builder.set_grid_idx
+    cells = []
+
+    def permuted_dim(nx, ny, nz):
+        set_dim(nx, ny, nz)
+        cells[:] = [(x, y, z) for x in range(nx) for y in range(ny) for z in range(nz)]
+        if order == "reversed":
+            cells.reverse()
+        else:
+            random.Random(order).shuffle(cells)
+
+    def permuted_index(x, y, z):  # the interpreter's loop walks row-major: the k-th program runs as cells[k]
+        _, ny, nz = builder.grid_dim
+        set_index(*cells[(x * ny + y) * nz + z])
+
+    def run_in(new_order):
+        nonlocal order
+        order = new_order
+        monkeypatch.setattr(builder, "set_grid_dim", permuted_dim)
+        monkeypatch.setattr(builder, "set_grid_idx", permuted_index)
+
+    order = None
+    return run_in
+
+
+@triton.jit
+def _tickets_kernel(counter_ptr, tickets_ptr):
+    program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    tl.store(tickets_ptr + program, tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu"))
+
+
+def test_program_order_runs_every_program_once_in_the_order_given(program_order):
+    counter, tickets = torch.zeros(1, dtype=torch.int32), torch.full((12,), -1, dtype=torch.int32)
+    _tickets_kernel[(3, 4)](counter, tickets)
+    assert tickets.tolist() == list(range(12))  # the grid's order: tickets in program order
+    program_order("reversed")
+    counter.zero_()
+    _tickets_kernel[(3, 4)](counter, tickets)
+    assert tickets.tolist() == list(range(11, -1, -1))
+    program_order(5)
+    counter.zero_()
+    _tickets_kernel[(3, 4)](counter, tickets)
+    assert sorted(tickets.tolist()) == list(range(12)) and tickets.tolist() != list(range(12))
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,dtype", [(2, 2, torch.float32), (4, 2, torch.float16), (8, 2, torch.float32),
+                                                    (8, 1, torch.float16), (12, 4, torch.float32)], ids=str)
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # the tail's padded row, never stored
+def test_fused_reduce_writes_the_two_kernel_bits_in_one_launch(q_heads, kv_heads, dtype, nan_buffers,
+                                                                reduce_launches):
+    # up to 3 partitions of 32: the widest first, 1 token, page tails (15, 17), a partition's edge and
+    # one past it (64, 33); a group of 3 (12 / 4) leaves a padded row in the tail's block of heads
+    lengths = [77, 1, 15, 17, 64, 33]
+    paged = _paged(lengths, kv_heads, 32, 16, dtype, seed=q_heads * kv_heads)
+    q = _query(len(lengths), q_heads, 32, dtype, spread=2.0)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens)
+    two = paged_decode(*args, config=SPLIT, fused_reduce=False)
+    assert len(reduce_launches) == 1
+    fused = [paged_decode(*args, config=SPLIT, fused_reduce=True) for _ in range(2)]  # the second: counters reset
+    assert len(reduce_launches) == 1 and _counters_at_rest("cpu")
+    for out in fused:
+        _assert_same_bits(out, two)
+    _assert_matches(fused[0], _dense_attention(q, paged.dense_k, paged.dense_v), dtype)
+
+
+@pytest.mark.parametrize("order", ["reversed", 1, 2])
+def test_fused_reduce_does_not_depend_on_which_program_finishes_last(order, program_order, nan_buffers):
+    # reversed: each group's partition 0 arrives last, after the programs past a short request's length
+    lengths = [100, 1, 40, 96, 65]
+    paged = _paged(lengths, kv_heads=2, head_dim=16, page_size=8, dtype=torch.float32, seed=21)
+    q = _query(5, 8, 16, torch.float32, spread=2.0)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens)
+    two = paged_decode(*args, config=SPLIT, fused_reduce=False)
+    program_order(order)
+    _assert_same_bits(paged_decode(*args, config=SPLIT, fused_reduce=True), two)
+    assert _counters_at_rest("cpu")
+
+
+@pytest.mark.parametrize("elements", [32, 64, 128])
+def test_fused_reduce_in_other_steps_than_kernel_2_gives_the_same_bits(elements, monkeypatch, nan_buffers):
+    monkeypatch.setattr(paged_decode_module, "REDUCE_ELEMENTS", elements)
+    # 7 partitions of 16; head dim 16, group 4: the tail's steps are 1, 1, 2 partitions, kernel 2's 2, 4, 8
+    steps = paged_decode_module._reduce_block(7, 4, 16), paged_decode_module._reduce_block(7, 1, 16)
+    assert steps == {32: (1, 2), 64: (1, 4), 128: (2, 8)}[elements]
+    paged = _paged([112, 3, 50], kv_heads=2, head_dim=16, page_size=8, dtype=torch.float16, seed=22)
+    q = _query(3, 8, 16, torch.float16, spread=2.0)
+    out = _decode(q, paged, config={"BLOCK_N": 16, "partition_size": 16})
+    _assert_matches(out, _dense_attention(q, paged.dense_k, paged.dense_v), torch.float16)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # 0 / 0, on purpose
+def test_fused_reduce_writes_an_empty_request_as_two_kernels_do(monkeypatch):
+    monkeypatch.setattr(paged_decode_module, "_empty",  # 7, not NaN: an unwritten row shows
+                        lambda shape, dtype, device: torch.full(shape, 7.0, dtype=dtype, device=device))
+    paged = _paged([40, 1, 70], kv_heads=2, head_dim=16, page_size=8, dtype=torch.float32, seed=23)
+    lens = paged.context_lens.clone()
+    lens[1] = 0  # validate=False lets it through: 0 / 0
+    q = _query(3, 4, 16, torch.float32)
+    out = _both_paths(q, paged.k_cache, paged.v_cache, paged.block_tables, lens, validate=False, config=SPLIT)
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+    _assert_matches(out[[0, 2]], _dense_attention(q, paged.dense_k, paged.dense_v)[[0, 2]], torch.float32)
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_fused_reduce_defaults_to_the_module_flag_and_leaves_one_partition_alone(flag, monkeypatch,
+                                                                                reduce_launches):
+    monkeypatch.setattr(paged_decode_module, "FUSED_REDUCE", flag)
+    monkeypatch.setattr(paged_decode_module, "_counters", {})
+    paged = _paged([70, 9], kv_heads=1, head_dim=16, page_size=8, dtype=torch.float32, seed=24)
+    q = _query(2, 2, 16, torch.float32)
+    expected = _dense_attention(q, paged.dense_k, paged.dense_v)
+    _assert_matches(paged_decode(q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens,
+                                 config=WHOLE, fused_reduce=True), expected, torch.float32)
+    assert paged_decode_module._counters == {} and reduce_launches == []  # one partition: no counters, no kernel 2
+    _assert_matches(paged_decode(q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens,
+                                 config=SPLIT), expected, torch.float32)
+    assert len(reduce_launches) == (0 if flag else 1) and (torch.device("cpu") in paged_decode_module._counters) == flag
+
+
+def test_fused_reduce_counters_are_allocated_once_and_outgrown_ones_kept(monkeypatch):
+    monkeypatch.setattr(paged_decode_module, "_counters", {})
+    monkeypatch.setattr(paged_decode_module, "_outgrown", [])
+    first = reduce_counters("cpu", 3)
+    assert first.dtype == torch.int32 and first.numel() == MIN_COUNTERS and not first.any()
+    assert reduce_counters(torch.device("cpu"), MIN_COUNTERS) is first
+    paged = _paged([50, 20, 7], kv_heads=2, head_dim=16, page_size=8, dtype=torch.float32, seed=25)
+    _decode(_query(3, 4, 16, torch.float32), paged, config=SPLIT)
+    assert paged_decode_module._counters[torch.device("cpu")] is first and not first.any()
+    grown = reduce_counters("cpu", MIN_COUNTERS + 1)  # a captured graph may hold `first`: it stays allocated
+    assert grown.numel() == MIN_COUNTERS + 1 and not grown.any()
+    assert len(paged_decode_module._outgrown) == 1 and paged_decode_module._outgrown[0] is first
+
+
+def test_fused_reduce_never_allocates_counters_while_capturing(monkeypatch, reduce_launches):
+    monkeypatch.setattr(paged_decode_module, "_counters", {})
+    paged = _paged([50, 20, 7], kv_heads=2, head_dim=16, page_size=8, dtype=torch.float32, seed=26)
+    q = _query(3, 4, 16, torch.float32)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens)
+    two = paged_decode(*args, config=SPLIT, fused_reduce=False)
+    monkeypatch.setattr(paged_decode_module, "_capturing", lambda device: True)
+    with pytest.warns(RuntimeWarning, match="reduces with a second kernel"):
+        _assert_same_bits(paged_decode(*args, config=SPLIT, fused_reduce=True), two)
+    assert paged_decode_module._counters == {} and len(reduce_launches) == 2
+    monkeypatch.setattr(paged_decode_module, "_capturing", lambda device: False)
+    reserved = reduce_counters("cpu", 6)  # reserved ahead of the capture: fused, nothing allocated
+    monkeypatch.setattr(paged_decode_module, "_capturing", lambda device: True)
+    _assert_same_bits(paged_decode(*args, config=SPLIT, fused_reduce=True), two)
+    assert len(reduce_launches) == 2 and paged_decode_module._counters[torch.device("cpu")] is reserved
+    assert not reserved.any()
+
+
+@pytest.mark.slow
+def test_decode_kernels_compile_for_the_h100_without_spills_fused_or_not():
+    from triton_sm90 import compile_sm90, spec
+
+    module = "kforge.kernels.serving.paged_decode"
+    ints = ("stride_qb", "stride_qh", "stride_kp", "stride_kh", "stride_kt", "stride_vp", "stride_vh", "stride_vt",
+            "stride_table", "kv_heads", "max_pages", "num_partitions", "partition_size")
+    types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
+             "context_lens_ptr": "*i32", "out_ptr": "*bf16", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+             "part_acc_ptr": "*fp32", "counters_ptr": "*i32", "qk_scale": "fp32", **{name: "i32" for name in ints}}
+    aligned = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "part_max_ptr", "part_sum_ptr", "part_acc_ptr",
+               "max_pages", "partition_size", *ints[:9])
+    llama3_8b = {"GROUP": 4, "BLOCK_G": 16, "HEAD_DIM": 128, "PAGE_SIZE": 16, "BLOCK_N": 64, "DOT_PRECISION": "tf32"}
+    # the unsplit build (SPLIT=False) is left out: it holds 128 registers and spills 8 bytes, fused reduce or not
+    builds = {"split": {"SPLIT": True, "FUSED": False, "BLOCK_H": 1, "BLOCK_M": 1, "BLOCK_P": 1}}
+    for group in (1, 2, 4, 8, 16):  # the tail's steps at 32 partitions (batch 1, context 4096), as paged_decode's
+        builds[f"fused, group {group}"] = {"SPLIT": True, "FUSED": True, "GROUP": group, "BLOCK_H": group,
+                                           "BLOCK_M": 32, "BLOCK_P": paged_decode_module._reduce_block(32, group, 128)}
+    reduce_types = {"part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "part_acc_ptr": "*fp32",
+                    "context_lens_ptr": "*i32", "out_ptr": "*bf16", "q_heads": "i32", "max_tokens": "i32",
+                    "num_partitions": "i32", "partition_size": "i32"}
+    found = compile_sm90([spec(label, module, "paged_decode_partition_kernel", types, {**llama3_8b, **build},
+                               aligned=aligned) for label, build in builds.items()]
+                         + [spec("reduce", module, "paged_decode_reduce_kernel", reduce_types,
+                                 {"HEAD_DIM": 128, "BLOCK_M": 32, "BLOCK_P": 32}, aligned=("part_acc_ptr", "out_ptr"))])
+    for label, kernel in found.items():
+        assert kernel["spills"] == 0 and kernel["local"] == 0, (label, kernel)
+        if label != "reduce":  # 4 programs an SM (module docstring), the tail's shared memory none of its own
+            assert kernel["registers"] <= 128 and kernel["shared"] == found["split"]["shared"], (label, kernel)
+    assert found["reduce"]["registers"] <= 64 and found["reduce"]["shared"] == 0, found["reduce"]
+
+
 # --- the append ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
@@ -311,7 +549,7 @@ def test_attention_over_the_appended_cache_equals_attention_over_the_concatenati
     paged_kv_append(new_k, new_v, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens)
     grown = paged.context_lens + new_tokens
     q = _query(4, 4, 16, torch.float32)
-    out = paged_decode(q, paged.k_cache, paged.v_cache, paged.block_tables, grown, config=SPLIT)
+    out = _both_paths(q, paged.k_cache, paged.v_cache, paged.block_tables, grown, config=SPLIT)
     dense_k = [torch.cat([k, n]) for k, n in zip(paged.dense_k, new_k)]
     dense_v = [torch.cat([v, n]) for v, n in zip(paged.dense_v, new_v)]
     _assert_matches(out, _dense_attention(q, dense_k, dense_v), torch.float32)
@@ -403,8 +641,11 @@ def test_ops_pass_opcheck_and_run_the_eager_versions_on_cpu():
     q = _query(2, 4, 16, torch.float32)
     args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens)
     torch.library.opcheck(torch.ops.kforge.paged_decode_attention.default, (*args, 0.3, True))
-    torch.testing.assert_close(paged_decode_op(*args, 0.3).double(),
-                               _dense_attention(q, paged.dense_k, paged.dense_v, 0.3), rtol=1e-6, atol=1e-6)
+    torch.library.opcheck(torch.ops.kforge.paged_decode_attention.default, (*args, 0.3, False, True))
+    expected = _dense_attention(q, paged.dense_k, paged.dense_v, 0.3)
+    for fused_reduce in (None, False, True):  # the Triton path's choice: the eager version ignores it
+        torch.testing.assert_close(paged_decode_op(*args, 0.3, fused_reduce=fused_reduce).double(), expected,
+                                   rtol=1e-6, atol=1e-6)
     new = torch.randn(2, 2, 16)
     torch.library.opcheck(torch.ops.kforge.paged_kv_append.default, (new, new, *args[1:], True))
     expected_k = paged.k_cache.clone()
@@ -526,3 +767,49 @@ def test_append_on_the_gpu_matches_the_reference_and_the_ops_compile_with_induct
     dense_k = [torch.cat([k, n]) for k, n in zip(paged.dense_k, new_k)]
     dense_v = [torch.cat([v, n]) for v, n in zip(paged.dense_v, new_v)]
     torch.testing.assert_close(out.double(), _dense_attention(q, dense_k, dense_v), rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_fused_reduce_on_the_gpu_writes_the_two_kernel_bits_eagerly_and_in_a_cuda_graph(reduce_launches):
+    # llama3-8b decode: 32 query heads on 8 kv heads of 128, pages of 16, bf16; every case splits
+    cases = {"batch 1, context 512": [512], "batch 1, context 4096": [4096],
+             "batch 8, ragged": [4096, 1, 700, 2048, 33, 4000, 129, 3001]}
+    for name, lengths in cases.items():
+        paged = _paged(lengths, 8, 128, 16, torch.bfloat16, seed=len(lengths), device="cuda")
+        q = _query(len(lengths), 32, 128, torch.bfloat16, device="cuda", spread=2.0)
+        args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.context_lens)
+        two = paged_decode(*args, validate=False, fused_reduce=False)
+        assert len(reduce_launches) == 1, name
+        fused = [paged_decode(*args, validate=False, fused_reduce=True) for _ in range(2)]
+        torch.cuda.synchronize()
+        assert len(reduce_launches) == 1 and _counters_at_rest(q.device), name
+        for out in fused:
+            _assert_same_bits(out, two)
+        torch.testing.assert_close(fused[0].double(), _dense_attention(q, paged.dense_k, paged.dense_v),
+                                   rtol=2e-2, atol=1e-2, msg=lambda m: f"{name}: {m}")
+        reduce_launches.clear()
+
+    # the batch-8 step as a CUDA graph, replayed with other lengths and queries: each replay finds the counters zero
+    paged = _paged([4096] * 8, 8, 128, 16, torch.bfloat16, seed=9, device="cuda")  # any length <= 4096 is real
+    q = _query(8, 32, 128, torch.bfloat16, device="cuda")
+    lens = paged.context_lens.clone()
+
+    def step():
+        return paged_decode(q, paged.k_cache, paged.v_cache, paged.block_tables, lens, validate=False,
+                            fused_reduce=True)
+
+    step()  # compiles, and allocates the counters before the capture (as models/llama/graphs.py does)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    assert reduce_launches == []  # one kernel captured
+    g = torch.Generator().manual_seed(10)
+    for replay in range(3):
+        lens.copy_(torch.randint(1, 4097, (8,), generator=g, dtype=torch.int32))
+        q.copy_(_query(8, 32, 128, torch.bfloat16, seed=11 + replay, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _counters_at_rest(q.device), replay
+        _assert_same_bits(out, paged_decode(q, paged.k_cache, paged.v_cache, paged.block_tables, lens,
+                                            validate=False, fused_reduce=False))

@@ -37,19 +37,20 @@ def kernels_can_run(t: torch.Tensor) -> bool:
 @torch.library.custom_op("kforge::paged_decode_attention", mutates_args=())
 def _paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float | None,
-                            validate: bool) -> torch.Tensor:
+                            validate: bool, fused_reduce: bool | None = None) -> torch.Tensor:
     scale = check_paged_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, scale)
     if validate:
         check_table_values(block_tables, context_lens, k_cache.shape[0], k_cache.shape[2])
     if kernels_can_run(q):
         from kforge.kernels.serving.paged_decode import paged_decode
 
-        return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale=scale, validate=False)
+        return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale=scale, validate=False,
+                            fused_reduce=fused_reduce)
     return paged_decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 @_paged_decode_attention.register_fake
-def _(q, k_cache, v_cache, block_tables, context_lens, scale, validate):
+def _(q, k_cache, v_cache, block_tables, context_lens, scale, validate, fused_reduce=None):
     torch._check(q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
                  lambda: "kforge::paged_decode_attention takes q (batch, q_heads, head_dim) and caches "
                          "(num_pages, kv_heads, page_size, head_dim)")
@@ -64,11 +65,14 @@ def _(q, k_cache, v_cache, block_tables, context_lens, scale, validate):
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float | None = None, *,
-                           validate: bool = True) -> torch.Tensor:
+                           validate: bool = True, fused_reduce: bool | None = None) -> torch.Tensor:
     """softmax(scale * q K^T) V for each request's one query token over its context_lens[b]
-    cached tokens (scale defaults to 1/sqrt(head_dim)); (batch, q_heads, head_dim) in q's dtype."""
+    cached tokens (scale defaults to 1/sqrt(head_dim)); (batch, q_heads, head_dim) in q's dtype.
+    `fused_reduce` picks the Triton path's reduce (`paged_decode`; None: the kernel module's
+    FUSED_REDUCE), the same bits either way; the eager version ignores it."""
     return _paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                   None if scale is None else float(scale), bool(validate))
+                                   None if scale is None else float(scale), bool(validate),
+                                   None if fused_reduce is None else bool(fused_reduce))
 
 
 @torch.library.custom_op("kforge::paged_kv_append", mutates_args=("k_cache", "v_cache"))

@@ -1,5 +1,6 @@
 """Decode attention over a paged KV cache (flash-decoding): one new query token per request
-attends to all of that request's cached keys, however long, in two Triton kernels.
+attends to all of that request's cached keys, however long, in two Triton kernels (or one:
+"One launch" below).
 
 For request b with n = context_lens[b] cached tokens and query head h on kv head
 h // group (grouped-query attention, group = q_heads / kv_heads):
@@ -27,7 +28,57 @@ Kernel 1, one program per (request, kv head, partition of the context):
   max, sum and unnormalised output (fp32) to a workspace.
 Kernel 2 (several partitions only), one program per (request, query head): rescales
 the partials by 2^(m_p - max m) and sums, O = sum_p w_p acc_p / sum_p w_p l_p, reading
-only the partitions the request has (a short request in a long batch has fewer).
+only the partitions the request has (a short request in a long batch has fewer). The
+maxima come first (up to 32 partitions' a step); then both sums run partition after
+partition, an fma each, every element in the thread that holds it, with the loads of up
+to 32 partitions unrolled and in flight at once. That order is fixed by the code alone,
+not by the layout Triton picks for a tile (a tl.sum's order is), so the fused reduce
+below, which takes a group's query heads at once, gets the same bits.
+
+One launch (`fused_reduce`). At small batch the reduce is almost all launch and latency:
+in a CUDA-graphed llama3-8b decode step on the H200 at batch 1, context 512 (4 partitions),
+kernel 1 takes 6.1 us and the reduce 2.6 us a layer. Fused, kernel 1 reduces itself: each
+program, its partials stored, takes a ticket from its (request, kv head)'s int32 counter
+with an atomic add, and the one that draws the last ticket combines the group's partials,
+writes the group's output rows and sets the counter back to 0.
+- The count: the partitions the request has, ceil(max(n, 1) / partition size). Programs
+  past a shorter request's length exit before counting, as unfused; partition 0 always
+  runs, so an empty request (validate=False) still reduces, to 0 / 0 as unsplit. Every
+  program reads the same clamped n, so all of a group agree on the count.
+- Visibility: a barrier after the stores (every thread's partials before the release),
+  then one thread's atomic add, acq_rel at gpu scope. The adds to one counter are totally
+  ordered, each reading what the one before wrote, so the add that draws the last ticket
+  acquires what every earlier add released: the group's partials, whichever program
+  finished last (the tail reads partials by partition index, never by arrival). Triton
+  hands the ticket to the program's threads through shared memory and a barrier, which
+  orders all their loads after the acquire (sm_90 SASS: MEMBAR.ALL.GPU, ATOMG.E.ADD.STRONG.GPU,
+  CCTL.IVALL). The reset needs no ordering: every other program of the group has counted,
+  and the next launch on the stream starts after this one ends.
+- Same bits: the tail is kernel 2's function (`_combine_partials`) over the group's query
+  heads at once (a head at a time, its dependent reads would be as slow as the launch
+  saved), in steps of TAIL_PARTIALS (head, partition) pairs: 4 partitions at a group of
+  4. Its per-row values are scalars, so no step moves data between warps (no barrier in
+  the tail's SASS). Kernel 1 stays at 128 registers or fewer, no spills and 39 KB of
+  shared memory for groups 1-16 at head dim 128 (sm_90, the test's build).
+- The counters: per device, zeroed once when allocated (MIN_COUNTERS, or more for a
+  larger call), reset by each launch's last arrivers, so a call allocates and zeroes
+  nothing and a CUDA graph replays one launch that finds them zero. They are allocated
+  outside a capture: the decode graphs (models/llama/graphs.py) and GraphedCall run each
+  shape eagerly before capturing it. A capture that needs more than exist reduces with the
+  second kernel (with a warning); `reduce_counters` reserves ahead. An outgrown buffer is
+  kept, since a captured graph holds its address.
+- The contract: the counters are shared by every call on a device, so two fused calls
+  that can run at once (two streams, nothing ordering them) would mix their tickets.
+  One stream, as the decode step runs, or calls ordered by events.
+- Cost, expected: the atomic's round trip before each program exits, and in the last
+  program of a group two dependent reads of the partials (the maxima, then the rest),
+  which kernel 2 pays too; what goes is the second launch and its gap. At context 512
+  (4 partitions) the tail is one step. At batch 1, context 4096 (32 partitions) it reads
+  a group's 64 KB of partials in 8 dependent steps where kernel 2 spreads them over 32
+  programs: the gain shrinks, and may turn, as contexts grow (TAIL_PARTIALS is the knob).
+  Default: off (FUSED_REDUCE = False), because none of this has run on a GPU yet: the
+  bits are equal under the interpreter, the visibility argument is the one above, and
+  the GPU test and a timed step of both (fused_reduce= per call) should come first.
 
 Choices, each for the H100 (132 SMs, 64K registers and 228 KB shared memory an SM, ~3 TB/s):
 - Tile: BLOCK_N tokens x head_dim of K and of V, 16 KB each (BLOCK_N = 16384 bytes /
@@ -50,7 +101,7 @@ Choices, each for the H100 (132 SMs, 64K registers and 228 KB shared memory an S
   no second kernel. Batch 1 x 8 kv heads at 4096 tokens: 32 partitions of 128 tokens,
   256 programs. With P > 1 the partials are written and read once, 2 x batch x q_heads x
   P x (head_dim + 2) x 4 bytes, ~2 group x P / context of the K and V bytes (1% at batch
-  8, context 4096), and the reduce is one more launch of a few microseconds.
+  8, context 4096), and the reduce is one more launch of a few microseconds (or none, fused).
 - Page ids are read per token (repeats hit L1) and widened to int64 before they scale
   the page stride: a 40 GB pool has more than 2^31 elements.
 Expected at the issue's target (batch 64, context 4096, 32/8 heads, head dim 128, page
@@ -66,6 +117,7 @@ num_stages.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,17 +132,25 @@ H100_SMS = 132
 PROGRAMS_PER_SM = 2  # 64 KB of K and V in flight an SM, ~3x what HBM needs (four fit)
 TILE_BYTES = 16384  # one K (and one V) tile of BLOCK_N tokens
 MIN_PARTITION_TOKENS = 128
-MAX_REDUCE_BLOCK = 32  # partitions the reduce kernel takes per step
+MAX_REDUCE_BLOCK = 32  # partitions a reduce step takes (unrolled)
+REDUCE_ELEMENTS = 4096  # partial outputs a reduce step loads: 16 KB, 32 registers a thread at 4 warps
+TAIL_PARTIALS = 16  # (query head, partition) pairs a fused tail's step takes (module docstring: "One launch")
+FUSED_REDUCE = False  # paged_decode's default for fused_reduce (module docstring: "One launch")
+MIN_COUNTERS = 1024  # the counters' first size; a default plan splits only below 2 x SMs (request, kv head) pairs
+
+_counters: dict[torch.device, torch.Tensor] = {}  # per device: one int32 a (request, kv head), zero at rest
+_outgrown: list[torch.Tensor] = []  # replaced by larger ones, kept: a captured graph may hold their address
 
 
 @triton.jit
 def paged_decode_partition_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-        out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+        out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, counters_ptr,
         stride_qb, stride_qh, stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_table,
         kv_heads, max_pages, num_partitions, partition_size, qk_scale,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
     request = tl.program_id(0) // kv_heads
     kv_head = tl.program_id(0) % kv_heads
     partition = tl.program_id(1)
@@ -98,7 +158,9 @@ def paged_decode_partition_kernel(
     length = tl.minimum(tl.load(context_lens_ptr + request), max_pages * PAGE_SIZE)
     start = partition * partition_size
     if SPLIT:
-        if start >= length:  # a shorter request than the longest has fewer partitions
+        # A shorter request than the longest has fewer partitions; partition 0 always runs (an empty
+        # request's row is then 0 / 0, as unsplit, and the fused count below is never 0).
+        if start >= tl.maximum(length, 1):
             return
     end = tl.minimum(start + partition_size, length)
 
@@ -139,6 +201,16 @@ def paged_decode_partition_kernel(
         tl.store(part_max_ptr + partial, m_i, mask=real_rows)
         tl.store(part_sum_ptr + partial, l_i, mask=real_rows)
         tl.store(part_acc_ptr + partial[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=real_rows[:, None])
+        if FUSED:  # the last of the group's programs to finish reduces (module docstring: "One launch")
+            tl.debug_barrier()  # every thread's partials are stored before the release below
+            counter = counters_ptr + tl.program_id(0)
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == tl.cdiv(tl.maximum(length, 1), partition_size) - 1:
+                first_row = tl.program_id(0) * GROUP  # request * q_heads + kv_head * GROUP
+                _combine_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr, first_row,
+                                  tl.cdiv(length, partition_size), num_partitions, GROUP, BLOCK_H, HEAD_DIM, BLOCK_M,
+                                  BLOCK_P)
+                tl.store(counter, 0)  # the group's other programs have counted: zero for the next launch
     else:
         out = acc / l_i[:, None]
         tl.store(out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -146,33 +218,63 @@ def paged_decode_partition_kernel(
 
 
 @triton.jit
+def _combine_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr, first_row, written, num_partitions,
+                      ROWS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_P: tl.constexpr):
+    """out[r] = sum_p w_p acc_p / sum_p w_p l_p, w_p = 2^(m_p - max m), over the first `written`
+    partitions of the ROWS rows (request * q_heads + query head) from first_row on, BLOCK_H >= ROWS.
+
+    The order of the sums is the code's, not a layout's: the maxima first (a max is exact in
+    any order, and no weight overflows), then partition after partition one fma each, in the
+    thread that holds the element. So one row a program (kernel 2) and a group's rows at once
+    (the fused tail) give the same bits. A row's max, weight and running sum are scalars, one
+    per row (unrolled over ROWS): as a [BLOCK_H] vector they would take Triton's layout for
+    small vectors and cross warps through shared memory to meet acc's rows, a barrier pair
+    every partition (seen in the sm_90 SASS); scalars have no layout."""
+    rows = first_row + tl.arange(0, BLOCK_H)[:, None]
+    offs_m = tl.arange(0, BLOCK_M)[None, :]
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
+    real = rows < first_row + ROWS
+    top = tl.full([BLOCK_H, 1], float("-inf"), tl.float32)
+    for p0 in range(0, written, BLOCK_M):  # BLOCK_M partitions' maxima a step, BLOCK_P partitions' partials below
+        top = tl.maximum(top, tl.max(tl.load(part_max_ptr + rows * num_partitions + p0 + offs_m,
+                                             mask=real & (p0 + offs_m < written), other=float("-inf")), 1,
+                                     keep_dims=True))
+    tops = ()
+    denominators = ()
+    for h in tl.static_range(ROWS):
+        tops = tops + (tl.max(tl.where(rows == first_row + h, top, float("-inf"))),)
+        denominators = denominators + (tl.zeros([], tl.float32),)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for p0 in range(0, written, BLOCK_P):
+        for i in tl.static_range(BLOCK_P):  # unrolled: a step's loads are in flight together
+            live = p0 + i < written
+            weight = tl.zeros([BLOCK_H, 1], tl.float32)
+            summed = ()
+            for h in tl.static_range(ROWS):
+                part = (first_row + h) * num_partitions + p0 + i
+                w = tl.where(live, tl.math.exp2(tl.load(part_max_ptr + part, mask=live, other=0.0) - tops[h]), 0.0)
+                summed = summed + (tl.fma(w, tl.load(part_sum_ptr + part, mask=live, other=0.0), denominators[h]),)
+                weight = tl.where(rows == first_row + h, w, weight)
+            denominators = summed
+            acc = tl.fma(weight, tl.load(part_acc_ptr + (rows * num_partitions + p0 + i) * HEAD_DIM + offs_d,
+                                         mask=real & live, other=0.0), acc)
+    denominator = tl.zeros([BLOCK_H, 1], tl.float32)
+    for h in tl.static_range(ROWS):
+        denominator = tl.where(rows == first_row + h, denominators[h], denominator)
+    out = acc / denominator  # written = 0 (an empty request): 0 / 0, NaN, as unsplit
+    tl.store(out_ptr + rows * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=real)
+
+
+@triton.jit
 def paged_decode_reduce_kernel(part_max_ptr, part_sum_ptr, part_acc_ptr, context_lens_ptr, out_ptr,
                                q_heads, max_tokens, num_partitions, partition_size,
-                               HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr):
+                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
     row = tl.program_id(0)  # request * q_heads + query head
     length = tl.minimum(tl.load(context_lens_ptr + row // q_heads), max_tokens)
     written = tl.cdiv(length, partition_size)  # kernel 1 skipped the partitions past the length
-    first = row * num_partitions
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_d = tl.arange(0, HEAD_DIM)
-
-    top = tl.full([BLOCK_P], float("-inf"), tl.float32)
-    for p0 in range(0, written, BLOCK_P):  # the largest partial max first, so no weight overflows
-        top = tl.maximum(top, tl.load(part_max_ptr + first + p0 + offs_p, mask=p0 + offs_p < written,
-                                      other=float("-inf")))
-    top_max = tl.max(top, 0)
-
-    denominator = tl.zeros([BLOCK_P], tl.float32)
-    acc = tl.zeros([BLOCK_P, HEAD_DIM], tl.float32)
-    for p0 in range(0, written, BLOCK_P):
-        parts = first + p0 + offs_p
-        mine = p0 + offs_p < written
-        weight = tl.math.exp2(tl.load(part_max_ptr + parts, mask=mine, other=float("-inf")) - top_max)
-        denominator += weight * tl.load(part_sum_ptr + parts, mask=mine, other=0.0)
-        acc += weight[:, None] * tl.load(part_acc_ptr + parts[:, None] * HEAD_DIM + offs_d[None, :],
-                                         mask=mine[:, None], other=0.0)
-    out = tl.sum(acc, 0) / tl.sum(denominator, 0)
-    tl.store(out_ptr + row * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
+    _combine_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr, row, written, num_partitions, 1, 1,
+                      HEAD_DIM, BLOCK_M, BLOCK_P)
 
 
 @dataclass(frozen=True)
@@ -249,9 +351,43 @@ def _empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> to
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the stream the kernels would launch on."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def reduce_counters(device: torch.device | str, count: int) -> torch.Tensor | None:
+    """At least `count` int32 counters on `device` for the fused reduce, all zero (each launch
+    leaves them so), shared by every call on the device; None while a CUDA graph is being
+    captured and there are fewer (allocating would be captured: the caller reduces with the
+    second kernel instead). Call it before a capture that has no eager call ahead of it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # as a tensor's device reads
+    counters = _counters.get(device)
+    if counters is not None and counters.numel() >= count:
+        return counters
+    if _capturing(device):
+        return None
+    if counters is not None:
+        _outgrown.append(counters)
+    _counters[device] = counters = torch.zeros(max(count, MIN_COUNTERS), dtype=torch.int32, device=device)
+    return counters
+
+
+def _reduce_block(num_partitions: int, rows: int, head_dim: int) -> int:
+    """Partitions a reduce step takes for `rows` query heads at once: REDUCE_ELEMENTS partial outputs,
+    and for a group (the fused tail) at most TAIL_PARTIALS (row, partition) pairs, each two scalars
+    a thread: what keeps kernel 1 at its registers."""
+    fits = REDUCE_ELEMENTS // (rows * head_dim)
+    if rows > 1:
+        fits = min(fits, TAIL_PARTIALS // rows)
+    return min(MAX_REDUCE_BLOCK, triton.next_power_of_2(num_partitions), 1 << (max(1, fits).bit_length() - 1))
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, *, scale: float | None = None, validate: bool = True,
-                 config: dict | None = None) -> torch.Tensor:
+                 config: dict | None = None, fused_reduce: bool | None = None) -> torch.Tensor:
     """Attention of q (batch, q_heads, head_dim), one token per request, over each request's
     context_lens[b] cached tokens in k_cache/v_cache (num_pages, kv_heads, page_size,
     head_dim) through block_tables (batch, max_pages) int32. Returns (batch, q_heads,
@@ -262,6 +398,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     happen (a serving loop, a CUDA graph, a benchmark): lengths are then clamped to the
     block-table row, and a length of 0 gives a NaN row. `config` fixes the tiling (see
     `plan_decode`); the CPU tests run small configs under the Triton interpreter.
+    `fused_reduce` (default: the module's FUSED_REDUCE) reduces split partitions inside
+    kernel 1, one launch instead of two, to the same bits; calls on one device must then be
+    ordered, one stream (module docstring: "One launch").
     """
     scale = check_paged_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, scale)
     num_pages, kv_heads, page_size, head_dim = k_cache.shape
@@ -275,24 +414,37 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else H100_SMS
     plan = plan_decode(batch, kv_heads, max_pages * page_size, head_dim, q.element_size(), num_sms, config)
     group = q_heads // kv_heads
+    counters = None
     if plan.split:
         part_max = _empty((batch, q_heads, plan.num_partitions), torch.float32, q.device)
         part_sum = _empty((batch, q_heads, plan.num_partitions), torch.float32, q.device)
         part_acc = _empty((batch, q_heads, plan.num_partitions, head_dim), torch.float32, q.device)
+        if FUSED_REDUCE if fused_reduce is None else fused_reduce:  # then kernel 1 reduces, given counters
+            counters = reduce_counters(q.device, batch * kv_heads)
+            if counters is None:
+                warnings.warn(f"paged_decode: no reduce counters for {batch * kv_heads} (request, kv head) pairs "
+                              "while a CUDA graph is captured: the graph reduces with a second kernel (run the "
+                              "call once before capturing, or call reduce_counters)", RuntimeWarning, stacklevel=2)
     else:
         part_max = part_sum = part_acc = out  # not touched without SPLIT
+    fused = counters is not None
+    block_h = triton.next_power_of_2(group)
+    block_m = min(MAX_REDUCE_BLOCK, triton.next_power_of_2(plan.num_partitions))  # a step of maxima: scalars
     paged_decode_partition_kernel[(batch * kv_heads, plan.num_partitions)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_max, part_sum, part_acc,
+        counters if fused else context_lens,  # not touched unless FUSED
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         kv_heads, max_pages, plan.num_partitions, plan.partition_size, scale * LOG2E,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_N=plan.block_n, SPLIT=plan.split, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        GROUP=group, BLOCK_G=max(16, block_h), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_N=plan.block_n, SPLIT=plan.split, FUSED=fused, BLOCK_H=block_h if fused else 1,
+        BLOCK_M=block_m if fused else 1, BLOCK_P=_reduce_block(plan.num_partitions, block_h, head_dim) if fused else 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps, num_stages=plan.num_stages)
-    if plan.split:
+    if plan.split and not fused:
         paged_decode_reduce_kernel[(batch * q_heads,)](
             part_max, part_sum, part_acc, context_lens, out, q_heads, max_pages * page_size, plan.num_partitions,
-            plan.partition_size, HEAD_DIM=head_dim,
-            BLOCK_P=min(MAX_REDUCE_BLOCK, triton.next_power_of_2(plan.num_partitions)), num_warps=4)
+            plan.partition_size, HEAD_DIM=head_dim, BLOCK_M=block_m,
+            BLOCK_P=_reduce_block(plan.num_partitions, 1, head_dim), num_warps=4)
     return out
 
 

@@ -15,8 +15,9 @@ each), then prompt chunks. Per layer, on `kforge.ops`:
 
 Linear layers of up to 16 rows run kforge's decode GEMV, larger ones kforge's GEMM; at decode
 the GEMV stores swiglu(gate, up) and h + y itself (`linear_swiglu`, `linear_residual`: two
-launches a layer fewer, the same bits) for unquantized weights, and one kernel rotates q and k
-and appends k and v (`rope_paged_kv_append`) in every format; weights
+launches a layer fewer, the same bits) for unquantized weights, one kernel rotates q and k
+and appends k and v (`rope_paged_kv_append`) in every format, and decode attention reduces
+its partitions in its own launch (`fused_reduce`); weights
 quantized at load time (quantize.py) take `w4a16_matmul` or `fp8_gemm` instead (and a
 quantized wqkv an unfused rms_norm first). On a CPU every op runs its PyTorch reference, so
 the CPU tests run this very code. Logits are computed only for the rows that yield a token
@@ -296,7 +297,8 @@ class Llama(nn.Module):
                 ops.rope_paged_kv_append(q, k, v, positions, rope, k_pool, v_pool, tables, before, validate=False)
             else:
                 ops.paged_kv_append(k, v, k_pool, v_pool, tables, before, validate=False)
-            out = ops.paged_decode_attention(q, k_pool, v_pool, tables, after, validate=False)
+            out = ops.paged_decode_attention(q, k_pool, v_pool, tables, after, validate=False,
+                                             fused_reduce=FUSED_DECODE)
             h = self._after_attention(block, out, h)
         return self._logits(h)
 
