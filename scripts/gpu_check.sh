@@ -42,6 +42,8 @@
 #           adds options, e.g. "--time-budget 0.5 --shapes '4096,4096,4096'")
 #   attention-backward   (the FlashAttention backward's and the FP8 forward's GPU tests, then kforge bench attention
 #                         --backward on ATTENTION_BACKWARD_SHAPES: ours, ours with atomic dQ, SDPA flash and cuDNN)
+#   flash-hopper   (the CUDA FlashAttention forward's GPU tests, then kforge bench attention at B 8, H 16, N 4096,
+#                   hd 128, full and causal: ours, ours-cuda, SDPA flash and cuDNN in one run, efficient and naive too)
 #   bench-mla   (kforge bench mla: FlashMLA's shapes against the eager and compiled compositions; MLA_SHAPES)
 #   bench-moe   (kforge bench moe: the grouped GEMMs in bf16 and FP8 against torch._grouped_mm and per-expert loops,
 #                DeepSeek-V3's MoE layer against a _grouped_mm composition, split by stage; MOE_SHAPES picks groups
@@ -137,6 +139,12 @@ if [[ $parts == *" sweep-attention "* ]]; then
 fi
 if [[ $parts == *" bench-attention "* ]]; then
   python3 -m kforge bench attention --results "$out/bench-attention.jsonl" 2>&1 | tee "$out/bench-attention.txt"
+fi
+if [[ $parts == *" flash-hopper "* ]]; then
+  python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_flash_hopper.py 2>&1 | tail -25 \
+    | tee "$out/pytest-flash-hopper-gpu.txt"
+  python3 -m kforge bench attention --shapes "full N=4096 D=128,causal N=4096 D=128" \
+    --results "$out/bench-attention-hopper.jsonl" 2>&1 | tee "$out/bench-attention-hopper.txt"
 fi
 if [[ $parts == *" tests-serving "* ]]; then
   python3 -m pytest -q -m gpu tests/kernels/test_norms.py tests/kernels/test_swiglu.py tests/kernels/test_rope.py \

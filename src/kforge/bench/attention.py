@@ -1,5 +1,6 @@
-"""`kforge bench attention`: our FlashAttention forward, naive attention and SDPA's other
-backends against SDPA's flash backend (the problem's reference), shape by shape.
+"""`kforge bench attention`: our FlashAttention forwards (Triton, "ours"; CUDA for Hopper,
+"ours-cuda"), naive attention and SDPA's other backends against SDPA's flash backend (the
+problem's reference), shape by shape.
 
 Shapes follow the FlashAttention papers' sweep: sequence 512..16k, head dim 64 and 128,
 causal and not, with batch x heads holding 32k tokens x 2048 model width, so every shape
@@ -78,6 +79,25 @@ class OursAttention:
         return flash_attention_forward(q, k, v, causal=self.causal, config=self.config)[0]
 
 
+class OursCudaAttention:
+    """kforge's CUDA FlashAttention forward for Hopper (`kernels/attention/flash_hopper.cu`)."""
+
+    def __init__(self, causal: bool):
+        self.causal = causal
+
+    def __call__(self, q, k, v):
+        from kforge.kernels.attention.flash_hopper import flash_attention_hopper
+
+        return flash_attention_hopper(q, k, v, causal=self.causal)[0]
+
+
+def hopper_gpu() -> bool:
+    """Whether this machine's GPU runs the sm_90a CUDA kernel ("ours-cuda" is timed only there)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
 class NaiveAttention:
     def __init__(self, causal: bool):
         self.causal = causal
@@ -104,8 +124,9 @@ class SdpaBackend:
 
 
 def attention_methods(shape: AttentionShape) -> dict:
-    """The methods timed against SDPA flash on one shape."""
-    from kforge.kernels.attention import flash_forward, naive
+    """The methods timed against SDPA flash on one shape; "ours-cuda" (the CUDA kernel, compiled for
+    sm_90a) at head dims 64 and 128 on a Hopper GPU only."""
+    from kforge.kernels.attention import flash_forward, flash_hopper, naive
     from kforge.ladder import source_candidate
 
     here = Path(__file__)
@@ -115,6 +136,9 @@ def attention_methods(shape: AttentionShape) -> dict:
         "sdpa-efficient": source_candidate("sdpa-efficient", lambda: SdpaBackend("EFFICIENT_ATTENTION", shape.causal),
                                            [here]),
     }
+    if shape.head_dim in flash_hopper.HEAD_DIMS and hopper_gpu():
+        methods["ours-cuda"] = source_candidate("ours-cuda", lambda: OursCudaAttention(shape.causal),
+                                                [Path(flash_hopper.__file__), flash_hopper.SOURCE])
     if shape.batch * shape.heads * shape.seq**2 <= NAIVE_MAX_SCORES:
         methods["naive"] = source_candidate("naive", lambda: NaiveAttention(shape.causal), [Path(naive.__file__)])
     return methods

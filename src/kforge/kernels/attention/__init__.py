@@ -1,4 +1,4 @@
-"""Attention: the online softmax, naive attention, and FlashAttention kernels in Triton (forward, backward).
+"""Attention: the online softmax, naive attention, and FlashAttention kernels in Triton (forward, backward) and CUDA.
 
 - `online_softmax.py`: the algorithm on a list of numbers, tile by tile (what
   `kforge trace online-softmax` prints), checked against the softmax of everything at once.
@@ -9,7 +9,11 @@
   bit-identical run to run, or by fp32 atomics).
 - `flash_fp8.py`: the forward with Q K^T and P V in FP8 (e4m3: K smoothed, per-token Q and K
   scales, per-channel V scale), bf16/fp16 in and out.
-`kforge.ops.flash_attention` wraps both as a PyTorch operator with autograd; `kforge bench
+- `flash_hopper.py`, `flash_hopper.cu`, `hopper_attention.cuh`: the forward in CUDA for Hopper
+  (TMA-fed K and V rings, two consumer warpgroups in ping-pong, the softmax under the
+  previous tile's P V); bf16/fp16, head dims 64 and 128, causal, grouped-query. Compile-checked
+  on the CPU; not run on a GPU yet, and not behind `kforge.ops.flash_attention`.
+`kforge.ops.flash_attention` wraps the Triton forward and backward as a PyTorch operator with autograd; `kforge bench
 attention` times the forward against every SDPA backend, `--backward` the backward.
 """
 
