@@ -72,12 +72,13 @@ def main():
             print("  rows kernel: WRONG")
         for chunk, warps in ROWS_VARIANTS:
             kernel = CudaKernel.from_file(gemv_module.ROWS_SOURCE, "gemv_bf16", defines=dict(CHUNK=chunk, WARPS=warps))
-            launch = kernel.lean(triton.cdiv(n, warps), 32 * warps, 0, kinds=("ptr", "ptr", "ptr", "i32", "i32", "i32"))
+            launch = kernel.lean(triton.cdiv(n, warps), 32 * warps, 0,
+                                 kinds=("ptr", "ptr", "ptr", "i32", "i32", "i32", "ptr"))
             out = torch.full_like(y, float("nan"))
 
             def call(launch=launch, out=out):
                 launch(torch._C._cuda_getCurrentRawStream(0), w.data_ptr(), x.data_ptr(), out.data_ptr(), n, k // 8,
-                       k // 8)
+                       k // 8, 0)  # no residual: the plain build
 
             call()
             name = f"rows kernel CHUNK={chunk} WARPS={warps}"

@@ -143,6 +143,28 @@ def test_a_fused_epilogue_gives_the_unfused_pairs_bits(batch, n, k, epilogue, co
     assert_matches(got, exact, dtype)
 
 
+def test_swiglu_after_the_fused_norm_scales_gate_and_up_alike(nan_outputs):
+    """launch_gemv with norm_eps and EPI_SWIGLU: silu(r x g W_gate^T) * (r x g W_up^T), r the
+    row's 1/rms, against float64 (the norm's factor on the up half too)."""
+    from kforge.kernels.serving.gemv import launch_gemv
+
+    x, w = _inputs(3, 2 * 40, 256, torch.float32, seed=5)
+    gamma = 1 + torch.rand(256, generator=torch.Generator().manual_seed(6))
+    got = launch_gemv(x, w, CUDA_CORE, norm_eps=1e-5, norm_weight=gamma, epilogue=EPI_SWIGLU)
+    normed = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * gamma.double()
+    gate, up = (normed @ w.double().T).chunk(2, dim=-1)
+    assert_matches(got, torch.nn.functional.silu(gate) * up, torch.float32)
+
+
+def test_a_fused_call_and_the_plain_gemv_of_one_weight_share_a_tuned_tile():
+    """The autotuner's key names the weight's rows, not the output's or the epilogue: the gate/up
+    GEMV and its SwiGLU-fused call look up one tile, so both add up K in one order (same bits)."""
+    from kforge.kernels.serving.gemv import gemv_autotuned
+
+    assert "EPILOGUE" not in gemv_autotuned.keys and "n_out" not in gemv_autotuned.keys
+    assert "weight_rows" in gemv_autotuned.keys
+
+
 def test_the_epilogue_reference_is_the_unfused_pair_and_a_vector_takes_a_vector_residual():
     x, w = _inputs(2, 12, 40, torch.float32)
     r = torch.randn(2, 12)

@@ -526,9 +526,9 @@ CUDA_FP8_CONTIGUOUS = True
 
 def cuda_fp8_contiguous_fits(x: torch.Tensor, weight: torch.Tensor, layout: str, gated: bool, align: int) -> bool:
     """Whether the CUDA grouped FP8 GEMM takes a checked grouped GEMM: FP8 contiguous, not gated, on a
-    Hopper GPU, runs aligned to its 128-row tile, N a multiple of 8."""
+    Hopper GPU (its build is sm_90a's alone), runs aligned to its 128-row tile, N a multiple of 8."""
     return (CUDA_FP8_CONTIGUOUS and layout == "contiguous" and not gated and x.dtype == torch.float8_e4m3fn
-            and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0) and align % 128 == 0
+            and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9 and align % 128 == 0
             and weight.shape[1] % 8 == 0)
 
 

@@ -144,7 +144,7 @@ EPI_NONE, EPI_RESIDUAL, EPI_SWIGLU = 0, 1, 2
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, y_ptr, gamma_ptr, residual_ptr, batch, n_out, k_in, stride_xb, stride_wn, stride_yb,
-                stride_rb, eps, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                stride_rb, eps, weight_rows, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 USE_DOT: tl.constexpr, NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, EPILOGUE: tl.constexpr = 0):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_b = tl.arange(0, BLOCK_B)
@@ -153,7 +153,8 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, gamma_ptr, residual_ptr, batch, n_out, k_in
     y, row_sumsq = _gemv_tile(x_ptr, w_ptr, gamma_ptr, w_rows, x_rows, k_in, stride_xb, stride_wn, BLOCK_B, BLOCK_N,
                               BLOCK_K, USE_DOT, NORM, DOT_PRECISION)
     if NORM:  # r = 1/sqrt(mean(x^2) + eps) of each batch row, as (BLOCK_B, 1)
-        y = y * tl.rsqrt(row_sumsq / k_in + eps)
+        r = tl.rsqrt(row_sumsq / k_in + eps)
+        y = y * r
     keep = (offs_b[:, None] < batch) & (offs_n[None, :] < n_out)
     out_type = y_ptr.dtype.element_ty
     # The epilogues round the product to the output's dtype first, as the unfused pair would
@@ -163,6 +164,8 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, gamma_ptr, residual_ptr, batch, n_out, k_in
     elif EPILOGUE == 2:  # EPI_SWIGLU: W has 2 n_out rows, gate then up; y = silu(gate) * up
         up, _ = _gemv_tile(x_ptr, w_ptr, gamma_ptr, w_rows + n_out, x_rows, k_in, stride_xb, stride_wn, BLOCK_B,
                            BLOCK_N, BLOCK_K, USE_DOT, NORM, DOT_PRECISION)
+        if NORM:
+            up = up * r
         gate = y.to(out_type).to(tl.float32)
         y = gate * tl.sigmoid(gate) * up.to(out_type).to(tl.float32)  # kernels/serving/swiglu.py's arithmetic
     tl.store(y_ptr + offs_b[:, None] * stride_yb + offs_n[None, :], y.to(out_type), mask=keep)
@@ -189,7 +192,10 @@ def _configs_for(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["USE_DOT"] or block_b * c.kwargs["BLOCK_N"] == CUDA_CORE_ROWS]
 
 
-gemv_autotuned = triton.autotune(CONFIGS, key=["n_out", "k_in", "BLOCK_B", "NORM", "EPILOGUE"],
+# Keyed by the weight's rows, not the output's, and not by the epilogue: a fused call and the plain GEMV
+# of the same weight share one tuned tile, so they add up K in the same order and the fused one keeps
+# the unfused pair's bits (tiles of the two kinds, CUDA-core and tensor-core, sum in different orders).
+gemv_autotuned = triton.autotune(CONFIGS, key=["weight_rows", "k_in", "BLOCK_B", "NORM"],
                                  prune_configs_by={"early_config_prune": _configs_for})(gemv_kernel)
 
 INTERPRETER_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128, "USE_DOT": False}
@@ -273,17 +279,18 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None, *, n
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EPILOGUE=epilogue)
     eps = 0.0 if norm_eps is None else norm_eps
     strides = (x.stride(0), weight.stride(0), y.stride(0), 0 if residual is None else residual.stride(0))
+    tail = (eps, weight.shape[0])
     if config is None and not x.is_cuda:  # the Triton interpreter: one small tile, no autotuning
         config = INTERPRETER_CONFIG
     if config is None:
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]),)
 
-        gemv_autotuned[grid](x, weight, y, norm_weight, residual, batch, n, k, *strides, eps, **args)
+        gemv_autotuned[grid](x, weight, y, norm_weight, residual, batch, n, k, *strides, *tail, **args)
     else:
         blocks = {key: config[key] for key in ("BLOCK_N", "BLOCK_K", "USE_DOT")}
         gemv_kernel[(triton.cdiv(n, blocks["BLOCK_N"]),)](
-            x, weight, y, norm_weight, residual, batch, n, k, *strides, eps, **args, **blocks,
+            x, weight, y, norm_weight, residual, batch, n, k, *strides, *tail, **args, **blocks,
             num_warps=config.get("num_warps", 4), num_stages=config.get("num_stages", 1))
     return y
 
