@@ -141,9 +141,18 @@ if [[ $parts == *" bench-attention "* ]]; then
   python3 -m kforge bench attention --results "$out/bench-attention.jsonl" 2>&1 | tee "$out/bench-attention.txt"
 fi
 if [[ $parts == *" flash-hopper "* ]]; then
-  python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_flash_hopper.py 2>&1 | tail -25 \
-    | tee "$out/pytest-flash-hopper-gpu.txt"
-  python3 -m kforge bench attention --shapes "full N=4096 D=128,causal N=4096 D=128" \
+  # never run before: one small call first, under a short timeout and blocking launches, so a hang costs a minute
+  CUDA_LAUNCH_BLOCKING=1 timeout 60 python3 -c "
+import torch
+from kforge.kernels.attention.flash_hopper import flash_attention_hopper
+q, k, v = (torch.randn(1, 1, 128, 64, device='cuda', dtype=torch.bfloat16) for _ in range(3))
+out, lse = flash_attention_hopper(q, k, v)
+ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+print('flash-hopper smoke: max abs error', (out.float() - ref).abs().max().item())" 2>&1 | tail -5 \
+    | tee "$out/flash-hopper-smoke.txt"
+  timeout 300 python3 -m pytest -q -x -p no:cacheprovider -rfEs -m gpu tests/kernels/test_flash_hopper.py 2>&1 \
+    | tail -25 | tee "$out/pytest-flash-hopper-gpu.txt"
+  timeout 420 python3 -m kforge bench attention --shapes "full N=4096 D=128,causal N=4096 D=128" \
     --results "$out/bench-attention-hopper.jsonl" 2>&1 | tee "$out/bench-attention-hopper.txt"
 fi
 if [[ $parts == *" tests-serving "* ]]; then
