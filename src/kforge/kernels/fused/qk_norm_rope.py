@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.kernels.serving.rope import cos_sin_row
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 512
 TILE = 2048
@@ -72,11 +74,7 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, pos_
     batch = (token // seq_len).to(tl.int64)
     seq = (token % seq_len).to(tl.int64)
     position = tl.load(pos_ptr + token).to(tl.int64)
-    cols = tl.arange(0, HALF_BLOCK)
-    valid = (cols < half) & (position >= 0) & (position < max_position)
-    table_row = table_ptr + position * (2 * half)
-    cos = tl.load(table_row + cols, mask=valid, other=float("nan"))[None, :]
-    sin = tl.load(table_row + half + cols, mask=valid, other=float("nan"))[None, :]
+    cos, sin = cos_sin_row(table_ptr, position, max_position, half, HALF_BLOCK)
     q_blocks = tl.cdiv(n_q_heads, HEADS_BLOCK)
     head_dim = 2 * half
     if head_block < q_blocks:

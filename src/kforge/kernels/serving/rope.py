@@ -112,6 +112,18 @@ def _rotate_heads(row0_ptr, head_stride, n_heads, head0, cos, sin, half,
 
 
 @triton.jit
+def cos_sin_row(table_ptr, position, max_position, half, HALF_BLOCK: tl.constexpr):
+    """(cos, sin) of `position` from a [cos | sin] table, each (1, HALF_BLOCK): NaN for a position
+    outside [0, max_position) (never memory outside the table), so its token shows it."""
+    cols = tl.arange(0, HALF_BLOCK)
+    valid = (cols < half) & (position >= 0) & (position < max_position)
+    table_row = table_ptr + position * (2 * half)
+    cos = tl.load(table_row + cols, mask=valid, other=float("nan"))[None, :]
+    sin = tl.load(table_row + half + cols, mask=valid, other=float("nan"))[None, :]
+    return cos, sin
+
+
+@triton.jit
 def rope_kernel(q_ptr, k_ptr, pos_ptr, table_ptr, n_q_heads, n_k_heads, seq_len,
                 q_batch_stride, q_seq_stride, q_head_stride, k_batch_stride, k_seq_stride, k_head_stride,
                 max_position, half,
@@ -121,12 +133,7 @@ def rope_kernel(q_ptr, k_ptr, pos_ptr, table_ptr, n_q_heads, n_k_heads, seq_len,
     batch = (token // seq_len).to(tl.int64)
     seq = (token % seq_len).to(tl.int64)
     position = tl.load(pos_ptr + token).to(tl.int64)
-    cols = tl.arange(0, HALF_BLOCK)
-    # out-of-range positions read NaN (never memory outside the table), so their tokens show it
-    valid = (cols < half) & (position >= 0) & (position < max_position)
-    table_row = table_ptr + position * (2 * half)
-    cos = tl.load(table_row + cols, mask=valid, other=float("nan"))[None, :]
-    sin = tl.load(table_row + half + cols, mask=valid, other=float("nan"))[None, :]
+    cos, sin = cos_sin_row(table_ptr, position, max_position, half, HALF_BLOCK)
     q_blocks = tl.cdiv(n_q_heads, HEADS_BLOCK)
     if head_block < q_blocks:
         _rotate_heads(q_ptr + batch * q_batch_stride + seq * q_seq_stride, q_head_stride, n_q_heads,

@@ -76,7 +76,8 @@ import triton
 import triton.language as tl
 
 from kforge.kernels.serving.paged_kv import check_append_inputs, check_table_values
-from kforge.kernels.serving.rope import NUM_WARPS, _check_table, _rotate_heads, check_rope_inputs, rope_tile
+from kforge.kernels.serving.rope import (NUM_WARPS, _check_table, _rotate_heads, check_rope_inputs, cos_sin_row,
+                                        rope_tile)
 
 
 @triton.jit
@@ -119,12 +120,7 @@ def rope_append_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, k_cache_ptr, v_c
     request = (token // new_tokens).to(tl.int64)
     seq = (token % new_tokens).to(tl.int64)
     # cos and sin exactly as rope_kernel reads them: NaN for a position outside the table
-    position = tl.load(pos_ptr + token).to(tl.int64)
-    cols = tl.arange(0, HALF_BLOCK)
-    valid = (cols < half) & (position >= 0) & (position < max_position)
-    table_row = table_ptr + position * (2 * half)
-    cos = tl.load(table_row + cols, mask=valid, other=float("nan"))[None, :]
-    sin = tl.load(table_row + half + cols, mask=valid, other=float("nan"))[None, :]
+    cos, sin = cos_sin_row(table_ptr, tl.load(pos_ptr + token).to(tl.int64), max_position, half, HALF_BLOCK)
     q_blocks = tl.cdiv(n_q_heads, HEADS_BLOCK)
     if head_block < q_blocks:
         _rotate_heads(q_ptr + request * q_batch_stride + seq * q_seq_stride, q_head_stride, n_q_heads,
