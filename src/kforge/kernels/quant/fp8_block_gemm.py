@@ -159,8 +159,8 @@ def check_fp8_grouped_inputs(x: torch.Tensor, weight: torch.Tensor, m_indices: t
         raise ValueError(f"the CUDA grouped FP8 GEMM's tile is 128 rows: align must be a multiple of 128, got {align}")
     if weight.shape[1] % 8:
         raise ValueError(f"N = {weight.shape[1]}: C's rows are stored as 4-byte pairs, so N must be a multiple of 8")
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (9, 0):
-        raise ValueError("the CUDA grouped FP8 GEMM needs a Hopper GPU (sm_90a: wgmma and TMA)")
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+        raise ValueError("the CUDA grouped FP8 GEMM needs a Hopper GPU (it is built for sm_90a: wgmma and TMA)")
     if x.data_ptr() % 16 or weight.data_ptr() % 16:
         raise ValueError("x and weight must be 16-byte aligned: TMA reads them")
     last = max(sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) for t in (x_scale, w_scale))
