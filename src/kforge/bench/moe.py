@@ -50,6 +50,7 @@ from kforge.bench import BenchJob, OursRates, size_constants
 
 PROBLEMS = Path(__file__).parent.parent / "problems" / "moe"
 KERNELS = Path(__file__).parent.parent / "kernels" / "moe"
+QUANT = KERNELS.parent / "quant"
 GEMM_PROBLEMS = {"bf16": PROBLEMS / "grouped_gemm_bf16.py", "fp8": PROBLEMS / "grouped_gemm_fp8.py"}
 LAYER_PROBLEM = PROBLEMS / "moe_layer_bf16.py"
 # the problems' BASELINE constant -> what the reference runs
@@ -194,6 +195,8 @@ def moe_jobs(shapes: Sequence[MoeShape]) -> Iterator[BenchJob]:
 
     for shape in shapes:
         sources = [KERNELS / name for name in SOURCES[shape.kind]] + [Path(__file__)]
+        if shape.kind == "gemm" and shape.dtype == "fp8":  # contiguous FP8 runs the CUDA block-scaled GEMM
+            sources += [QUANT / "fp8_block_gemm.cu", QUANT / "fp8_block_gemm.py"]
         factory = OURS["layer" if shape.kind == "layer" else shape.dtype]
         candidate = source_candidate("ours", factory, sources, shape.sizes)
         for value, name in shape.baselines.items():
