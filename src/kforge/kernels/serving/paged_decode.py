@@ -87,8 +87,10 @@ Choices, each for the H100 (132 SMs, 64K registers and 228 KB shared memory an S
   (compiled offline through ptxas, 4 warps, num_stages = 3): the page-id load takes one
   stage of the software pipeline, so page ids come a tile ahead, but K and V have one
   buffer each, issued after a tile's math and waited for at the top of the next
-  iteration: a program does not load while it computes. 39 KB of shared memory, 128
-  registers a thread, no spills. Registers admit 4 programs an SM, each with up to 32 KB
+  iteration: a program does not load while it computes. 39 KB of shared memory, 114
+  registers a thread, no spills (the unsplit build, one partition dividing in place, holds
+  128 and spills 8 bytes: the sm_90 compile test leaves it out and says so). Registers
+  admit 4 programs an SM, each with up to 32 KB
   of K and V in flight: up to 128 KB an SM, where Little's law asks ~23 KB (3 TB/s x
   ~1 us / 132 SMs). The memory parallelism comes from resident programs, not stages
   (num_stages = 5 double-buffers: 72 KB, 139 registers, 3 programs an SM; one for the
