@@ -70,6 +70,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.kernels.serving.swiglu import swiglu_reference
+
 MAX_BATCH = 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROWS_SOURCE = Path(__file__).with_name("gemv_rows.cu")
@@ -259,7 +261,7 @@ def launch_rows_kernel(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, e
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None, *, norm_eps: float | None = None,
                 norm_weight: torch.Tensor | None = None, epilogue: int = EPI_NONE,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W^T (batch, N) for checked 2-D x; with `norm_eps`, y = rmsnorm(x; norm_weight, norm_eps) @ W^T
+    """y = x @ W^T (batch, N) for checked 2-D x (and residual: `check_epilogue_inputs`); with `norm_eps`, y = rmsnorm(x; norm_weight, norm_eps) @ W^T
     (no norm_weight: gamma is folded into W). `epilogue` fuses what follows: EPI_RESIDUAL adds
     `residual` (batch, N); EPI_SWIGLU takes W (2N, K) as gate rows then up rows and gives
     silu(x W_gate^T) * x W_up^T (batch, N). Either rounds the product to x's dtype before it,
@@ -271,8 +273,7 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None, *, n
     y = torch.empty((batch, n), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    if ROWS_KERNEL_ENABLED and config is None and norm_eps is None and rows_kernel_fits(x, weight) and (
-            residual is None or residual.stride(1) == 1):
+    if ROWS_KERNEL_ENABLED and config is None and norm_eps is None and rows_kernel_fits(x, weight):
         launch_rows_kernel(x, weight, y, epilogue, residual)
         return y
     args = dict(BLOCK_B=triton.next_power_of_2(batch), NORM=norm_eps is not None,
@@ -313,8 +314,6 @@ def gemv_epilogue_reference(x: torch.Tensor, weight: torch.Tensor, epilogue: int
                             residual: torch.Tensor | None = None) -> torch.Tensor:
     """The unfused pair in eager PyTorch: the product rounded to x's dtype, then the add or
     SwiGLU (`swiglu_reference`: fp32 arithmetic, one rounding)."""
-    from kforge.kernels.serving.swiglu import swiglu_reference
-
     y = gemv_reference(x, weight)
     if epilogue == EPI_RESIDUAL:
         return residual + y
