@@ -60,7 +60,8 @@ def test_the_grouped_build_keeps_the_mainloop_and_stores_rows_from_registers(blo
     from kforge.runtime.cuda import CudaCompileError, compile_cuda, resources, sass
 
     defines = {"BN": block_n, "STAGES": DEEPEST[block_n], "CLUSTER_M": 1}
-    plain, grouped = (compile_cuda(SOURCE, arch="sm_90a", defines={**defines, **extra}) for extra in ({}, {"GROUPED": 1}))
+    plain, grouped = (compile_cuda(SOURCE, arch="sm_90a", defines={**defines, **extra})
+                      for extra in ({}, {"GROUPED": 1}))
     used = resources(grouped)["fp8_block_gemm"]
     assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0)
     halves = block_n // 128

@@ -261,7 +261,8 @@ def launch_rows_kernel(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, e
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None, *, norm_eps: float | None = None,
                 norm_weight: torch.Tensor | None = None, epilogue: int = EPI_NONE,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W^T (batch, N) for checked 2-D x (and residual: `check_epilogue_inputs`); with `norm_eps`, y = rmsnorm(x; norm_weight, norm_eps) @ W^T
+    """y = x @ W^T (batch, N) for checked 2-D x (and residual: `check_epilogue_inputs`); with
+    `norm_eps`, y = rmsnorm(x; norm_weight, norm_eps) @ W^T
     (no norm_weight: gamma is folded into W). `epilogue` fuses what follows: EPI_RESIDUAL adds
     `residual` (batch, N); EPI_SWIGLU takes W (2N, K) as gate rows then up rows and gives
     silu(x W_gate^T) * x W_up^T (batch, N). Either rounds the product to x's dtype before it,
