@@ -54,7 +54,7 @@ def key_tile_loops(code: str) -> list[list[str]]:
 def test_every_build_fits_its_launch_bounds_without_spills(build):
     d, causal, dtype = build
     defines = kernel_defines(d, causal, dtype)
-    cubin = compile_cuda(flash_hopper.SOURCE, arch="sm_90a", defines=defines)
+    cubin = compile_cuda(flash_hopper.SOURCE, arch="sm_90a", defines=defines, options=flash_hopper.OPTIONS)
     used = resources(cubin)[flash_hopper.KERNEL]
     assert (used.spill_stores, used.spill_loads, used.stack_bytes, used.local_bytes) == (0, 0, 0, 0)
     assert used.registers <= MAX_REGISTERS, "three warpgroups must fit one SM's registers at launch"
@@ -89,7 +89,8 @@ def test_key_tile_loops_issue_both_products_and_run_the_softmax_under_the_p_v(bu
     the softmax (1 left: the P V), with every exp2 after that: the softmax runs while the P V does.
     Only the masked loop selects (-inf past n_k or the diagonal; 0 for a row that has seen no key)."""
     d, causal, dtype = build
-    code = sass(compile_cuda(flash_hopper.SOURCE, arch="sm_90a", defines=kernel_defines(d, causal, dtype)))
+    code = sass(compile_cuda(flash_hopper.SOURCE, arch="sm_90a", defines=kernel_defines(d, causal, dtype),
+                             options=flash_hopper.OPTIONS))
     kind = r"\.F32\.BF16" if dtype == torch.bfloat16 else r"\.F32"
     loops = key_tile_loops(code)
     assert len(loops) == 2, f"{len(loops)} key-tile loops"
@@ -119,7 +120,8 @@ def test_key_tile_loops_issue_both_products_and_run_the_softmax_under_the_p_v(bu
 @pytest.mark.slow
 def test_every_build_loads_and_stores_through_4d_tensor_maps(build):
     d, causal, dtype = build
-    code = sass(compile_cuda(flash_hopper.SOURCE, arch="sm_90a", defines=kernel_defines(d, causal, dtype)))
+    code = sass(compile_cuda(flash_hopper.SOURCE, arch="sm_90a", defines=kernel_defines(d, causal, dtype),
+                             options=flash_hopper.OPTIONS))
     assert "UTMALDG.4D" in code and "UTMASTG.4D" in code
     assert code.count("UTMASTG.4D") == d // 64, "O goes out as one box a 64-column chunk"
     assert code.count("STSM.16.M88.4") == d // 16, "the output rows into shared memory, 4 matrices a stmatrix"
@@ -136,7 +138,7 @@ def test_the_launcher_and_the_kernel_agree_on_shared_memory(tmp_path):
             source = tmp_path / f"shared_{d}_{i}.cu"
             source.write_text(f'#include "{flash_hopper.SOURCE}"\n'
                               f'static_assert(SHARED_BYTES == {shared_bytes(defines)}, "shared bytes differ");\n')
-            compile_cuda(source, arch="sm_90a", defines=defines, cache=False)
+            compile_cuda(source, arch="sm_90a", defines=defines, options=flash_hopper.OPTIONS, cache=False)
 
 
 def _brute_force_tiles(m0, block_m, block_n, n_k, causal):
@@ -170,7 +172,7 @@ def test_key_tiles_skip_every_tile_above_the_diagonal_and_mask_only_where_needed
     source = tmp_path / "key_tiles.cu"
     source.write_text("\n".join(lines) + "\n")
     try:
-        compile_cuda(source, arch="sm_90a", cache=False)
+        compile_cuda(source, arch="sm_90a", options=flash_hopper.OPTIONS, cache=False)
     except CudaCompileError as error:
         pytest.fail(f"key_tiles disagrees with the brute force: {error}")
     kernel = flash_hopper.SOURCE.read_text()
@@ -225,7 +227,7 @@ def test_the_attention_parts_compile_alone_to_their_instructions(fp16, masked, t
     source = tmp_path / "parts.cu"
     source.write_text(f'#include "{PARTS}"\n#define FP16 {fp16}\n#define MASKED {str(bool(masked)).lower()}\n'
                       + PARTS_KERNEL)
-    cubin = compile_cuda(source, arch="sm_90a", cache=False)
+    cubin = compile_cuda(source, arch="sm_90a", options=flash_hopper.OPTIONS, cache=False)
     code = sass(cubin)
     kind = r"\.F32\.BF16" if not fp16 else r"\.F32"
     for pattern in ("UTMALDG.4D", "UTMASTG.4D", rf"HGMMA\.64x128x16{kind} R\d+, gdesc",

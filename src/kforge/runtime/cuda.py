@@ -140,9 +140,11 @@ def _as_program_options(options: Sequence[str]) -> dict:
             fields["use_fast_math"] = True
         elif option.startswith("-maxrregcount="):
             fields["max_register_count"] = int(option.split("=", 1)[1])
+        elif option == "-default-device":  # unannotated functions (a kernel's lambdas) compile as __device__
+            fields["device_as_default_execution_space"] = True
         else:
             raise KforgeError(f"unsupported NVRTC option {option!r}",
-                              "Supported: -DNAME[=VALUE], -std=..., -lineinfo, --use_fast_math, -maxrregcount=N.")
+                              "Supported: -DNAME[=VALUE], -std=..., -lineinfo, --use_fast_math, -maxrregcount=N, -default-device.")
     return fields
 
 

@@ -29,6 +29,9 @@ from kforge.kernels.attention.flash_forward import LOG2E, check_attention_inputs
 
 SOURCE = Path(__file__).with_name("flash_hopper.cu")
 KERNEL = "flash_forward"
+# The kernel's lambdas carry no execution space; NVRTC 13.0 (the H200 image's) then takes them for host
+# code and refuses the source, where 13.5 compiles it as is.
+OPTIONS = ("-default-device",)
 HEAD_DIMS = (64, 128)
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # -> FP16
 BLOCK_M, BLOCK_N, THREADS = 128, 128, 384  # query rows a CTA, keys a tile; one producer and two consumer warpgroups
@@ -81,7 +84,7 @@ def check_hopper_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 def _kernel(head_dim: int, causal: bool, dtype: torch.dtype):
     from kforge.runtime.cuda import CudaKernel
 
-    return CudaKernel.from_file(SOURCE, KERNEL, defines=kernel_defines(head_dim, causal, dtype))
+    return CudaKernel.from_file(SOURCE, KERNEL, defines=kernel_defines(head_dim, causal, dtype), options=OPTIONS)
 
 
 @cache
