@@ -27,6 +27,8 @@
 #   decode-fused   (the decode fusions' GPU tests: GEMV epilogues, RoPE + append, one-launch decode attention, the
 #                   engine's graphs; then decode_profile.py fused and --unfused, alternating, twice, in DECODE_WEIGHTS,
 #                   default bf16; a quantized format also runs with --quantize-head)
+#   decode-sweep   (scripts/paged_decode_sweep.py: batch-1 decode attention's partitions and reduces as a step runs
+#                   them, 32 calls in a graph; torch.argmax against kforge's on one 128k-logit row; the argmax's tests)
 #   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
 #   moe-fp8-cuda   (the CUDA grouped FP8 GEMM's GPU tests first, under a 300 s timeout (it has never run: a hung
 #                   mbarrier must not take the call), then kforge bench moe on the fp8 group)
@@ -311,6 +313,11 @@ if [[ $parts == *" decode-fused "* ]]; then
       fi
     done
   done
+fi
+if [[ $parts == *" decode-sweep "* ]]; then
+  python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_argmax.py 2>&1 | tail -5 \
+    | tee "$out/pytest-argmax-gpu.txt"
+  python3 scripts/paged_decode_sweep.py 2>&1 | tee "$out/paged-decode-sweep.txt"
 fi
 if [[ $parts == *" bench-model "* ]]; then
   timeout 540 python3 -m kforge bench model --model llama3-8b --parts "${BENCH_MODEL_PARTS:-decode,batch,trace,prefill}" \
