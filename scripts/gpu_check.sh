@@ -28,7 +28,7 @@
 #                   engine's graphs; then decode_profile.py fused and --unfused, alternating, twice, in DECODE_WEIGHTS,
 #                   default bf16; a quantized format also runs with --quantize-head)
 #   decode-sweep   (scripts/paged_decode_sweep.py: batch-1 decode attention's partitions and reduces as a step runs
-#                   them, 32 calls in a graph; torch.argmax against kforge's on one 128k-logit row; the argmax's tests)
+#                   them, 32 calls in a graph)
 #   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
 #   moe-fp8-cuda   (the CUDA grouped FP8 GEMM's GPU tests first, under a 300 s timeout (it has never run: a hung
 #                   mbarrier must not take the call), then kforge bench moe on the fp8 group)
@@ -315,8 +315,6 @@ if [[ $parts == *" decode-fused "* ]]; then
   done
 fi
 if [[ $parts == *" decode-sweep "* ]]; then
-  python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_argmax.py 2>&1 | tail -5 \
-    | tee "$out/pytest-argmax-gpu.txt"
   python3 scripts/paged_decode_sweep.py 2>&1 | tee "$out/paged-decode-sweep.txt"
 fi
 if [[ $parts == *" bench-model "* ]]; then

@@ -8,8 +8,8 @@ The step profile (decode_profile.py) puts paged decode attention at 8.5 us a lay
 graph per variant, as the step runs them, and timed after an L2 flush: partition sizes
 against plan_decode's default, each with the partials reduced in a second kernel and in
 kernel 1 (fused_reduce). Contexts 512 and 2048, in a block table of 4096 tokens (the
-graph's shape is the table's, the length is data). Prints us a call, then torch.argmax
-against kforge's two-stage argmax on one row of Llama 3's logits (128,256 fp32).
+graph's shape is the table's, the length is data). Prints us a call.
+Measured on the H200: benchmarks/results/nvidia-h200/paged-decode-sweep.txt.
 """
 
 import kforge  # noqa: F401  (before triton)
@@ -17,7 +17,6 @@ import kforge  # noqa: F401  (before triton)
 import torch
 
 from device_timing import median_ms
-from kforge.kernels.serving.argmax import argmax_last_dim
 from kforge.kernels.serving.paged_decode import paged_decode, plan_decode, reduce_counters
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, PAGE = 32, 8, 32, 128, 16
@@ -63,12 +62,6 @@ def main():
         print(f"context {context}: us a call (median of 100 replays of {LAYERS} calls)")
         for name, ms in times.items():
             print(f"  partition {name:<18} {ms * 1e3 / LAYERS:6.2f}")
-
-    logits = torch.randn(1, 128256, device="cuda")
-    assert torch.equal(argmax_last_dim(logits), logits.argmax(dim=-1))
-    times = median_ms({"torch.argmax": lambda: logits.argmax(dim=-1), "kforge argmax": lambda: argmax_last_dim(logits)},
-                      200)
-    print("argmax of 1 x 128256 fp32: " + ", ".join(f"{name} {ms * 1e3:.2f} us" for name, ms in times.items()))
 
 
 if __name__ == "__main__":

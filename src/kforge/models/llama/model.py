@@ -16,8 +16,7 @@ each), then prompt chunks. Per layer, on `kforge.ops`:
 Linear layers of up to 16 rows run kforge's decode GEMV, larger ones kforge's GEMM; at decode
 the GEMV stores swiglu(gate, up) and h + y itself (`linear_swiglu`, `linear_residual`: two
 launches a layer fewer, the same bits) for unquantized weights, one kernel rotates q and k
-and appends k and v (`rope_paged_kv_append`) in every format, and decode attention reduces
-its partitions in its own launch (`fused_reduce`); weights
+and appends k and v (`rope_paged_kv_append`) in every format; weights
 quantized at load time (quantize.py) take `w4a16_matmul` or `fp8_gemm` instead (and a
 quantized wqkv an unfused rms_norm first). On a CPU every op runs its PyTorch reference, so
 the CPU tests run this very code. Logits are computed only for the rows that yield a token
@@ -297,8 +296,9 @@ class Llama(nn.Module):
                 ops.rope_paged_kv_append(q, k, v, positions, rope, k_pool, v_pool, tables, before, validate=False)
             else:
                 ops.paged_kv_append(k, v, k_pool, v_pool, tables, before, validate=False)
-            out = ops.paged_decode_attention(q, k_pool, v_pool, tables, after, validate=False,
-                                             fused_reduce=FUSED_DECODE)
+            # two launches: the one-launch reduce lost 1.6 us a call at 2,048 tokens and won 0.3 at 512
+            # (H200, scripts/paged_decode_sweep.py)
+            out = ops.paged_decode_attention(q, k_pool, v_pool, tables, after, validate=False, fused_reduce=False)
             h = self._after_attention(block, out, h)
         return self._logits(h)
 
