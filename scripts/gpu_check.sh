@@ -44,7 +44,7 @@
 #           adds options, e.g. "--time-budget 0.5 --shapes '4096,4096,4096'")
 #   attention-backward   (the FlashAttention backward's and the FP8 forward's GPU tests, then kforge bench attention
 #                         --backward on ATTENTION_BACKWARD_SHAPES: ours, ours with atomic dQ, SDPA flash and cuDNN)
-#   flash-hopper   (the CUDA FlashAttention forward's GPU tests, then kforge bench attention at B 8, H 16, N 4096,
+#   flash-hopper   (the CUDA FlashAttention forward's GPU tests and the attention op's, then kforge bench attention at B 8, H 16, N 4096,
 #                   hd 128, full and causal: ours, ours-cuda, SDPA flash and cuDNN in one run, efficient and naive too)
 #   bench-mla   (kforge bench mla: FlashMLA's shapes against the eager and compiled compositions; MLA_SHAPES)
 #   bench-moe   (kforge bench moe: the grouped GEMMs in bf16 and FP8 against torch._grouped_mm and per-expert loops,
@@ -152,7 +152,8 @@ out, lse = flash_attention_hopper(q, k, v)
 ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
 print('flash-hopper smoke: max abs error', (out.float() - ref).abs().max().item())" 2>&1 | tail -5 \
     | tee "$out/flash-hopper-smoke.txt"
-  timeout 300 python3 -m pytest -q -x -p no:cacheprovider -rfEs -m gpu tests/kernels/test_flash_hopper.py 2>&1 \
+  timeout 300 python3 -m pytest -q -x -p no:cacheprovider -rfEs -m gpu tests/kernels/test_flash_hopper.py \
+    tests/kernels/test_attention.py 2>&1 \
     | tail -25 | tee "$out/pytest-flash-hopper-gpu.txt"
   timeout 420 python3 -m kforge bench attention --shapes "full N=4096 D=128,causal N=4096 D=128" \
     --results "$out/bench-attention-hopper.jsonl" 2>&1 | tee "$out/bench-attention-hopper.txt"

@@ -246,3 +246,33 @@ def test_op_on_the_gpu_runs_our_kernel_and_compiles_with_inductor():
     compiled = torch.compile(lambda a, b, c: flash_attention(a, b, c, causal=True), fullgraph=True)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(compiled(q, k, v), expected, rtol=2e-2, atol=1e-2)
+
+
+def test_the_cuda_forward_is_chosen_for_head_dim_128_in_16_bits_on_sm90_only():
+    from kforge.ops.attention import cuda_forward_chosen
+
+    assert cuda_forward_chosen(torch.bfloat16, 128, (9, 0)) and cuda_forward_chosen(torch.float16, 128, (9, 0))
+    assert not cuda_forward_chosen(torch.bfloat16, 64, (9, 0))  # Triton level or ahead there
+    assert not cuda_forward_chosen(torch.float32, 128, (9, 0))
+    assert not cuda_forward_chosen(torch.bfloat16, 128, (10, 0))  # sm_90a code: Hopper only
+    assert not cuda_forward_chosen(torch.bfloat16, 128, (8, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_op_on_the_gpu_takes_the_cuda_forward_at_head_dim_128_and_its_backward_agrees(dtype, monkeypatch):
+    from kforge.kernels.attention import flash_hopper
+
+    calls = []
+    real = flash_hopper.flash_attention_hopper
+    monkeypatch.setattr(flash_hopper, "flash_attention_hopper", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = (t.requires_grad_() for t in _inputs((2, 8, 2, 300, 300, 128), dtype, "cuda"))
+    out = flash_attention(q, k, v, causal=True)
+    assert calls == [1] if torch.cuda.get_device_capability() == (9, 0) else calls == []
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=1e-2)
+    g = torch.randn_like(out)
+    mine = torch.autograd.grad((out * g).sum(), (q, k, v))
+    theirs = torch.autograd.grad((expected * g.double()).sum(), (q, k, v))
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a.double(), b.double(), rtol=5e-2, atol=5e-2)

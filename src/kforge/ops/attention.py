@@ -15,9 +15,10 @@ Two `torch.library` custom ops: the forward returns (out, lse) and the backward
 opaque node each way. The backward runs `kernels/attention/flash_backward.py` (dQ, dK, dV
 recomputing the probabilities from the log-sum-exp, O(N) memory), its dQ bit-identical run
 to run; `atomic_dq=True` adds dQ with fp32 atomics instead (slower where measured; not under
-`torch.use_deterministic_algorithms(True)`). Both
-kernels run for fp16/bf16/fp32 CUDA tensors on Hopper with head_dim in 16..256 and
-TMA-friendly strides (`ours_can_run`); for anything else the forward runs naive attention
+`torch.use_deterministic_algorithms(True)`). Both kernels run for fp16/bf16/fp32 CUDA tensors on
+Hopper with head_dim in 16..256 and TMA-friendly strides (`ours_can_run`); the forward is the CUDA
+kernel (`flash_hopper.cu`) for bf16/fp16 at head dim 128 on sm_90 (`cuda_forward_chosen`), the
+Triton one otherwise. For anything else the forward runs naive attention
 and the backward recomputes the N x N probabilities in PyTorch, exact but O(N^2) memory.
 The backward is not differentiable again (no double backward).
 """
@@ -45,6 +46,14 @@ def ours_can_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return True
 
 
+def cuda_forward_chosen(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]) -> bool:
+    """Whether the forward runs the CUDA kernel (`flash_hopper.cu`) rather than the Triton one: bf16
+    or fp16 at head dim 128 on sm_90, where it ran 1.33-1.40x the Triton forward (H200, bf16, N 2048
+    to 16384, full and causal: 530-680 TFLOP/s against 382-505; docs/attention.md). At head dim 64
+    the Triton forward is level or ahead (381 against 361 TFLOP/s at N 1024), so it keeps those."""
+    return capability == (9, 0) and head_dim == 128 and dtype in (torch.bfloat16, torch.float16)
+
+
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
                  lambda: "kforge::flash_attention takes 4-D q, k, v (batch, heads, seq, head_dim)")
@@ -60,6 +69,13 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
                      atomic_dq: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     _check_shapes(q, k, v)
     if ours_can_run(q, k, v, scale):
+        if q.is_cuda and cuda_forward_chosen(q.dtype, q.shape[-1], torch.cuda.get_device_capability(q.device)):
+            from kforge.kernels.attention.flash_hopper import flash_attention_hopper
+
+            try:
+                return flash_attention_hopper(q, k, v, causal=causal, scale=scale)
+            except ValueError:  # a layout only the Triton forward takes (e.g. more than 65535 heads)
+                pass
         from kforge.kernels.attention.flash_forward import flash_attention_forward
 
         return flash_attention_forward(q, k, v, causal=causal, scale=scale)
