@@ -44,8 +44,9 @@
 #           adds options, e.g. "--time-budget 0.5 --shapes '4096,4096,4096'")
 #   attention-backward   (the FlashAttention backward's and the FP8 forward's GPU tests, then kforge bench attention
 #                         --backward on ATTENTION_BACKWARD_SHAPES: ours, ours with atomic dQ, SDPA flash and cuDNN)
-#   flash-hopper   (the CUDA FlashAttention forward's GPU tests and the attention op's, then kforge bench attention at B 8, H 16, N 4096,
-#                   hd 128, full and causal: ours, ours-cuda, SDPA flash and cuDNN in one run, efficient and naive too)
+#   flash-hopper   (the CUDA FlashAttention forward's GPU tests and the attention op's, then kforge bench attention
+#                   at B 8, H 16, N 4096, hd 128, full and causal: ours, ours-cuda, SDPA flash and cuDNN in one run,
+#                   efficient and naive too)
 #   bench-mla   (kforge bench mla: FlashMLA's shapes against the eager and compiled compositions; MLA_SHAPES)
 #   bench-moe   (kforge bench moe: the grouped GEMMs in bf16 and FP8 against torch._grouped_mm and per-expert loops,
 #                DeepSeek-V3's MoE layer against a _grouped_mm composition, split by stage; MOE_SHAPES picks groups
