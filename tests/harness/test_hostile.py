@@ -139,6 +139,16 @@ def test_2c_the_first_of_a_rounds_two_calls_is_re_checked_too(judge):
 
 
 @pytest.mark.slow
+def test_2c_a_round_s_first_in_place_result_is_re_checked_though_restored(judge):
+    # The arena is written back before the round's second call; what the first call left
+    # there is kept by the reference's restore and compared when that call is re-checked.
+    record = judge("judge_skips_first_in_place", "double_in_place")
+    assert record.status == "incorrect", record.reason
+    assert record.defences == ["recheck"], record.defences
+    assert "leaves them differently" in record.reason, record.reason
+
+
+@pytest.mark.slow
 def test_a_reference_that_changes_its_inputs_gets_them_back_for_the_candidates_second_call(judge):
     # The candidate works on the arena's views; without the arena restored, its second call
     # a round would double the doubled inputs and fail the re-check.

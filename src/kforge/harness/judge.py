@@ -418,12 +418,13 @@ class Judge:
             stop_reason = stopper.check(raw, rounds)
             # Which of the round's two candidate calls are re-checked is drawn now, after both
             # replies, from a source its process cannot read; each output waits in a mailbox
-            # of its own. The inputs are checked after the last call that had them.
+            # of its own. Inputs the reference changes in place are checked as each call left
+            # them: the first call's as the reference's `restore` kept them.
             for box, claim in enumerate(claims):
                 if rounds == 1 or stop_reason or self.rng.random() < config.recheck_fraction:
                     rechecked += 1
                     result = self._ask_reference({"op": "compare", **claim, "box": box,
-                                                  "inputs": box == len(claims) - 1 or not mutates})["comparison"]
+                                                  "restored": mutates and box < len(claims) - 1})["comparison"]
                     if not result["ok"]:
                         name = result["failure"] if result["failure"] in ("poison", "late_output") else "recheck"
                         raise Ended(STATUS_OF_DEFENCE[name], f"a timed call's output was wrong: {result['reason']}",

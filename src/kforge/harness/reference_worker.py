@@ -125,6 +125,7 @@ class ReferenceWorker:
             raise ProblemError("get_inputs() returned inputs of other shapes, dtypes or kinds than its first set")
         self.pristine = inputs
         self.mine = clone_arguments(inputs)
+        self.left = None  # the arena's inputs as a candidate call left them, kept by `restore`
         write_values(list(inputs), self.arena, self.input_desc)
         for mailbox in self.mailboxes:  # an output the candidate never exports shows as poison
             poison(mailbox)
@@ -140,21 +141,25 @@ class ReferenceWorker:
         synchronize(self.dev)
         return {"finite": outputs_finite(self.out)}
 
-    def compare(self, claims, digests, box: int = 0, inputs: bool = True) -> dict:
+    def compare(self, claims, digests, box: int = 0, inputs: bool = True, restored: bool = False) -> dict:
         """The candidate's outputs (its claims about them, the values in mailbox `box`) and,
         with `inputs`, its inputs (the arena's copy must be as the reference left its own:
-        the judge asks only after the candidate's last call on them) checked here. The
-        mailbox must still hold what the worker digested when it replied."""
+        the judge asks only after the candidate's last call on them; with `restored`, the
+        copy `restore` kept of them before writing them back) checked here. The mailbox
+        must still hold what the worker digested when it replied."""
         mailbox = self.mailboxes[box] if type(box) is int and box in range(MAILBOXES) else None
         if not (mailbox is not None and isinstance(digests, list) and len(digests) == len(mailbox)
                 and all(type(d) is int for d in digests)):
             result = Comparison(ok=False, failure="structure",
                                 reason="the candidate's worker did not say what its mailbox holds")
+        elif restored and self.left is None:
+            result = Comparison(ok=False, failure="structure", reason="no inputs were kept by a restore this round")
         elif digests != [digest(slot) for slot in mailbox]:
             result = Comparison(ok=False, failure="late_output", reason="the mailbox changed after the candidate's "
                                 "worker replied: its outputs were written by work on no clock")
         else:
-            result = ((compare_inputs(self.pristine, self.mine, self.slot, self.problem, self.exposed) if inputs
+            left = self.left if restored else self.slot
+            result = ((compare_inputs(self.pristine, self.mine, left, self.problem, self.exposed) if inputs
                        else None)
                       or compare_claimed(self.out, claims, mailbox, self.problem, self.exposed))
         return {"comparison": result.to_dict()}
@@ -186,7 +191,11 @@ class ReferenceWorker:
         return {}
 
     def restore(self) -> dict:
-        """The round's inputs written into the arena again, as `draw` left them."""
+        """The round's inputs written into the arena again, as `draw` left them; what the
+        candidate's call left there is kept first, for `compare(restored=True)`: else the
+        in-place result of a round's first call would go unchecked, and a candidate that
+        counts its calls could skip that write on every first call."""
+        self.left = clone_arguments(self.slot)
         write_values(list(self.pristine), self.arena, self.input_desc)
         synchronize(self.dev)
         return {}
