@@ -72,10 +72,7 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
         if q.is_cuda and cuda_forward_chosen(q.dtype, q.shape[-1], torch.cuda.get_device_capability(q.device)):
             from kforge.kernels.attention.flash_hopper import flash_attention_hopper
 
-            try:
-                return flash_attention_hopper(q, k, v, causal=causal, scale=scale)
-            except ValueError:  # a layout only the Triton forward takes (e.g. more than 65535 heads)
-                pass
+            return flash_attention_hopper(q, k, v, causal=causal, scale=scale)  # the checks ours_can_run made
         from kforge.kernels.attention.flash_forward import flash_attention_forward
 
         return flash_attention_forward(q, k, v, causal=causal, scale=scale)

@@ -11,9 +11,10 @@
   scales, per-channel V scale), bf16/fp16 in and out.
 - `flash_hopper.py`, `flash_hopper.cu`, `hopper_attention.cuh`: the forward in CUDA for Hopper
   (TMA-fed K and V rings, two consumer warpgroups in ping-pong, the softmax under the
-  previous tile's P V); bf16/fp16, head dims 64 and 128, causal, grouped-query. Compile-checked
-  on the CPU; not run on a GPU yet, and not behind `kforge.ops.flash_attention`.
-`kforge.ops.flash_attention` wraps the Triton forward and backward as a PyTorch operator with autograd; `kforge bench
-attention` times the forward against every SDPA backend, `--backward` the backward.
+  previous tile's P V); bf16/fp16, head dims 64 and 128, causal, grouped-query. On the H200
+  0.81-1.06x cuDNN (docs/attention.md).
+`kforge.ops.flash_attention` wraps the forwards (the CUDA one at head dim 128 on sm_90, Triton's
+elsewhere) and the Triton backward as a PyTorch operator with autograd; `kforge bench attention`
+times the forward against every SDPA backend, `--backward` the backward.
 """
 
