@@ -30,8 +30,8 @@
 #   decode-sweep   (scripts/paged_decode_sweep.py: batch-1 decode attention's partitions and reduces as a step runs
 #                   them, 32 calls in a graph)
 #   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
-#   moe-fp8-cuda   (the CUDA grouped FP8 GEMM's GPU tests first, under a 300 s timeout (it has never run: a hung
-#                   mbarrier must not take the call), then kforge bench moe on the fp8 group)
+#   moe-fp8-cuda   (the CUDA grouped FP8 GEMM's GPU tests first, under a 300 s timeout (a hung mbarrier must not
+#                   take the call), then kforge bench moe on the fp8 group)
 #   fp8-gemv   (the FP8 decode GEMV's GPU tests, and the engine's FP8 decode through it)
 #   deepseek   (chain and tree speculative sampling, MLA decode, DSA's indexer and sparse MLA, the
 #               DeepSeek-shaped model's GPU tests and its speculative generation, on the GPU)
@@ -144,7 +144,7 @@ if [[ $parts == *" bench-attention "* ]]; then
   python3 -m kforge bench attention --results "$out/bench-attention.jsonl" 2>&1 | tee "$out/bench-attention.txt"
 fi
 if [[ $parts == *" flash-hopper "* ]]; then
-  # never run before: one small call first, under a short timeout and blocking launches, so a hang costs a minute
+  # one small call first, under a short timeout and blocking launches, so a hang costs a minute
   CUDA_LAUNCH_BLOCKING=1 timeout 60 python3 -c "
 import torch
 from kforge.kernels.attention.flash_hopper import flash_attention_hopper
