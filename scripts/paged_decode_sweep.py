@@ -5,10 +5,10 @@
 The step profile (decode_profile.py) puts paged decode attention at 8.5 us a layer for a
 512-token context whose K and V are 2 MB (0.5 us at copy speed): latency, not bytes. Here
 32 calls (one a layer, each on its own cache: 64 MB, past L2) are captured in one CUDA
-graph per variant, as the step runs them, and timed after an L2 flush: partition sizes
-against plan_decode's default, each with the partials reduced in a second kernel and in
-kernel 1 (fused_reduce). Contexts 512 and 2048, in a block table of 4096 tokens (the
-graph's shape is the table's, the length is data). Prints us a call.
+graph per variant, as the step runs them, and timed after an L2 flush: partition sizes and
+tile heights (BLOCK_N) against plan_decode's default, each with the partials reduced in a
+second kernel and in kernel 1 (fused_reduce). Contexts 512 and 2048, in a block table of
+4096 tokens (the graph's shape is the table's, the length is data). Prints us a call.
 Measured on the H200: benchmarks/results/nvidia-h200/paged-decode-sweep.txt.
 """
 
@@ -21,7 +21,9 @@ from kforge.kernels.serving.paged_decode import paged_decode, plan_decode, reduc
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, PAGE = 32, 8, 32, 128, 16
 TABLE_TOKENS = 4096
-PARTITIONS = [None, 64, 128, 256, 512]  # None: plan_decode's choice
+# (BLOCK_N, partition size); None: plan_decode's choice (BLOCK_N 64 at head dim 128 in bf16). A program
+# walks partition / BLOCK_N tiles one after another: at batch 1 each costs latency, not bytes.
+PARTITIONS = [None, (64, 64), (64, 128), (128, 128), (64, 256), (128, 256), (64, 512)]
 
 
 def graphed(calls):
@@ -47,12 +49,13 @@ def main():
         lens = torch.tensor([context], device="cuda", dtype=torch.int32)
         want = paged_decode(q, *caches[0], table, lens, validate=False, fused_reduce=False)
         fns = {}
-        for size in PARTITIONS:
+        for tiling in PARTITIONS:
             for fused in (False, True):
-                config = None if size is None else {"BLOCK_N": 64, "partition_size": size}
+                config = None if tiling is None else {"BLOCK_N": tiling[0], "partition_size": tiling[1]}
                 got = paged_decode(q, *caches[0], table, lens, validate=False, config=config, fused_reduce=fused)
                 error = (got.float() - want.float()).abs().max().item()
-                name = f"{'default' if size is None else size:>7} {'one launch' if fused else 'two'}"
+                shape = "default" if tiling is None else f"{tiling[1]} by {tiling[0]}"
+                name = f"{shape:>10} {'one launch' if fused else 'two'}"
                 if error > 2e-2:
                     print(f"  {name}: wrong (max error {error:.3g}), not timed")
                     continue
@@ -61,7 +64,7 @@ def main():
         times = median_ms(fns, 100)
         print(f"context {context}: us a call (median of 100 replays of {LAYERS} calls)")
         for name, ms in times.items():
-            print(f"  partition {name:<18} {ms * 1e3 / LAYERS:6.2f}")
+            print(f"  partition {name:<21} {ms * 1e3 / LAYERS:6.2f}")
 
 
 if __name__ == "__main__":
