@@ -80,6 +80,12 @@ def test_an_unusable_input_uses_the_same_style(monkeypatch, capsys, tmp_path):
     assert status == 2 and stderr.startswith("error: candidate file not found")
 
 
+def test_a_folder_given_for_a_file_is_named_as_a_folder(monkeypatch, capsys, tmp_path):
+    status, _, stderr = run_main(monkeypatch, capsys, "eval", tmp_path, ROW_SUMS)
+    assert status == 2 and stderr.count("\n") == 1, stderr
+    assert stderr.startswith(f"error: problem {tmp_path} is a folder: an evaluation takes one file"), stderr
+
+
 def test_the_console_command_prints_a_usage_error_in_one_line(tmp_path):
     done = kforge("eval", "--no-such-option", cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.startswith("error: No such option: --no-such-option"), done.stderr

@@ -88,3 +88,10 @@ def test_candidates_may_import_helpers_from_their_own_folder(write):
 def test_a_non_callable_modelnew_is_refused(write):
     with pytest.raises(CandidateError, match="not callable"):
         load_candidate(write("c.py", "ModelNew = 3\n"))
+
+
+def test_a_folder_is_refused_as_a_folder_not_as_missing(tmp_path):
+    from kforge.harness.loading import import_user_file
+
+    with pytest.raises(KforgeError, match="is a folder, not a Python file"):
+        import_user_file(tmp_path, KforgeError, "candidate")

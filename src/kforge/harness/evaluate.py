@@ -143,6 +143,8 @@ def check_arguments(problem, candidate, baseline: str, trials: int, size: str | 
     if size is not None and size not in SIZES:
         raise KforgeError(f"unknown size {size!r} (expected one of {', '.join(SIZES)})")
     for what, value in (("problem", problem), ("candidate", candidate)):
+        if isinstance(value, (str, Path)) and Path(value).is_dir():
+            raise KforgeError(f"{what} {value} is a folder: an evaluation takes one file (kforge suite takes a folder)")
         if isinstance(value, (str, Path)) and not Path(value).is_file():
             raise KforgeError(f"{what} file not found: {value}")
 

@@ -30,6 +30,8 @@ def import_user_file(path: Path, error: type[KforgeError], what: str) -> ModuleT
     @jit reads a kernel's source through its module, and dataclasses need it too.
     """
     path = Path(path).resolve()
+    if path.is_dir():
+        raise error(f"{what} {path} is a folder, not a Python file")
     if not path.is_file():
         raise error(f"{what} file not found: {path}")
     name = f"kforge_user_{what}_{file_sha256(path)[:16]}_{id(object())}"
