@@ -30,6 +30,7 @@ def cli(tmp_path, cpu, cpu_ceilings):
 ROW_SUMS = FIXTURES / "problems" / "row_sums.py"
 
 
+@pytest.mark.slow
 def test_a_correct_candidate_exits_with_its_verdict_and_the_record_is_appended(cli, write, tmp_path):
     # Which verdict a shared CPU's clock gives is not the point (gate 2's logic is tested on
     # scripted timings): the exit status is the record's, and every run appends its record.
@@ -176,6 +177,7 @@ def test_stage_timeout_ends_a_hang_in_any_stage_naming_it(cli, write, tmp_path, 
     assert elapsed < 60, elapsed
 
 
+@pytest.mark.slow
 def test_stage_timeout_cannot_be_used_in_process(cli):
     result = cli("eval", ADD, ADD, "--stage-timeout", "3", "--in-process")
     assert result.returncode == 2 and "--stage-timeout needs a worker" in result.stderr
@@ -191,6 +193,7 @@ def test_a_worker_cpu_that_cannot_be_used_is_a_one_line_error(cli, value, messag
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_the_worker_cpu_reaches_the_record(cli):
     cpu = max(os.sched_getaffinity(0))
     candidate = FIXTURES / "candidates" / "held_to_one_cpu.py"  # fails unless its worker is on one CPU

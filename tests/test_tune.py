@@ -109,6 +109,7 @@ def test_bad_shapes_are_one_line(shapes, message):
         [(64, 128, 256, "kn"), (16, 6144, 4096, "nk")]
 
 
+@pytest.mark.slow
 def test_the_command_builds_the_table_from_records_on_any_machine(tmp_path):
     store = tmp_path / "tune-gemm.jsonl"
     for r in (record(4096, 4096, 4096, "rung 5", "passed", 1.05), record(1024, 1024, 1024, "rung 4", "slower", 0.8)):

@@ -43,6 +43,7 @@ def kforge(*args):
                           check=False, timeout=300, env={**os.environ, "COLUMNS": "250"})
 
 
+@pytest.mark.slow
 def test_the_whole_bench_runs_on_the_tiny_preset(tmp_path):
     results = tmp_path / "bench-model.jsonl"
     done = kforge("bench", "model", "--model", "tiny", "--sizes", TINY_SIZES, "--results", results)
@@ -78,6 +79,7 @@ def test_the_whole_bench_runs_on_the_tiny_preset(tmp_path):
     assert rows[0]["vs"]["compiled"] == pytest.approx(rows[0]["tok_s"] / rows[2]["tok_s"])
 
 
+@pytest.mark.slow
 def test_quantized_formats_run_every_part_and_a_failing_method_is_recorded(monkeypatch):
     def broken(model):
         raise RuntimeError("no transformers today\nsecond line")

@@ -163,6 +163,7 @@ def last_cpu() -> int:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nowhere else to move")
+@pytest.mark.slow
 def test_2c_both_workers_are_held_to_the_cpu_the_judge_gives_them(judge):
     # The judge pins both workers to one CPU on a GPU (worker_cpu "auto") when gate 2 starts;
     # asked for a CPU number, it does the same here. The candidate fails its timed calls
@@ -178,6 +179,7 @@ def test_2c_both_workers_are_held_to_the_cpu_the_judge_gives_them(judge):
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nowhere else to move")
 @pytest.mark.parametrize("candidate, whose", [("judge_moves_cpu", "the candidate's worker"),
                                               ("judge_moves_reference", "the reference's worker")])
+@pytest.mark.slow
 def test_2c_a_worker_cannot_be_moved_off_its_cpu(judge, candidate, whose):
     # The warden's seccomp filter makes the candidate's sched_setaffinity fail; on a kernel
     # without seccomp the judge's check after each timed call rejects the moved worker.

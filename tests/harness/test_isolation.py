@@ -68,6 +68,7 @@ def test_out_of_memory_is_its_own_status(isolated):
     assert record.status == "oom" and "can't allocate memory" in record.reason
 
 
+@pytest.mark.slow
 def test_speedups_above_the_threshold_are_measured_again_in_a_fresh_worker(cpu, cpu_ceilings):
     record = evaluate_isolated(FIXTURES / "problems" / "row_sums.py",
                                FIXTURES / "candidates" / "vectorized_row_sums.py",

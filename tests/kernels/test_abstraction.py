@@ -41,6 +41,7 @@ def compilable(kernel, tool):
 # --- compiled for the H100 without a GPU ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gluon_gemm_compiles_to_wgmma_fed_by_tma_and_stored_by_tma_without_spills():
     report = measure(level("gemm", "gluon"), 4096)
     assert report.error is None and report.seconds > 0
@@ -83,6 +84,7 @@ def test_cute_gemm_compiles_from_torch_tensors_as_it_does_on_the_gpu():
 
 
 @pytest.mark.parametrize("tool", ["tilelang", "gluon", "cuda"])
+@pytest.mark.slow
 def test_softmax_levels_compile_to_16_byte_accesses_without_spills(tool):
     report = measure(compilable("softmax", tool), 128256)
     assert report.error is None and report.spills == 0

@@ -128,6 +128,7 @@ def test_every_build_loads_and_stores_through_4d_tensor_maps(build):
     assert not re.search(r"\bSTG\.E\.(64|128)\b", code), "the output goes through TMA, not stores"
 
 
+@pytest.mark.slow
 def test_the_launcher_and_the_kernel_agree_on_shared_memory(tmp_path):
     """flash_hopper.shared_bytes is the source's SHARED_BYTES (the kernel traps on less), for the
     default stages and for given ones."""

@@ -261,6 +261,7 @@ def _kforge(*args, cwd):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_trace_moe_prints_seed_003s_table(tmp_path):
     logits = torch.full((32, 4), -5.0)
     logits[torch.arange(32), torch.arange(32) // 8] = 5.0  # 8 tokens to each expert

@@ -384,6 +384,7 @@ def test_program_order_runs_every_program_once_in_the_order_given(program_order)
 @pytest.mark.parametrize("q_heads,kv_heads,dtype", [(2, 2, torch.float32), (4, 2, torch.float16), (8, 2, torch.float32),
                                                     (8, 1, torch.float16), (12, 4, torch.float32)], ids=str)
 @pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # the tail's padded row, never stored
+@pytest.mark.slow
 def test_fused_reduce_writes_the_two_kernel_bits_in_one_launch(q_heads, kv_heads, dtype, nan_buffers,
                                                                 reduce_launches):
     # up to 3 partitions of 32: the widest first, 1 token, page tails (15, 17), a partition's edge and

@@ -57,6 +57,7 @@ def test_manual_mode_writes_the_prompt_waits_judges_the_reply_and_resumes(cli, t
     assert len(read_store(store).records) == 1
 
 
+@pytest.mark.slow
 def test_an_unreachable_endpoint_is_one_line_and_exit_2_and_the_store_keeps_the_attempt(cli, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,6 +70,7 @@ def test_an_unreachable_endpoint_is_one_line_and_exit_2_and_the_store_keeps_the_
     assert attempt["status"] == "request_failed" and attempt["endpoint"] == f"http://127.0.0.1:{port}/v1"
 
 
+@pytest.mark.slow
 def test_a_problem_that_does_not_load_is_one_line_and_exit_2_with_nothing_stored(cli, write, tmp_path):
     broken = write("broken.py", "import torch\nraise RuntimeError('no such dataset')\n")
     result = cli("machine", broken, "--manual", "replies")

@@ -29,6 +29,7 @@ def with_tokenizer(checkpoint, tmp_path):
     return folder, checkpoint[1]
 
 
+@pytest.mark.slow
 def test_a_text_prompt_gives_transformers_greedy_text(with_tokenizer):
     folder, hf = with_tokenizer
     done = kforge("generate", "--model", folder, "--prompt", "w1 w17 w99 w3", "--max-tokens", "6", "--json")
@@ -39,6 +40,7 @@ def test_a_text_prompt_gives_transformers_greedy_text(with_tokenizer):
     assert result["text"] == " ".join(f"w{t}" for t in result["output_ids"])
 
 
+@pytest.mark.slow
 def test_a_preset_generates_from_token_ids():
     done = kforge("generate", "--model", "tiny", "--prompt-ids", "1,2,3", "--max-tokens", "4")
     assert done.returncode == 0, done.stderr
@@ -53,6 +55,7 @@ def test_a_preset_generates_from_token_ids():
     (["--model", "tiny", "--prompt-ids", ",".join(["1"] * 100), "--max-context", "64"], "exceeds max_context"),
     (["--model", "tiny", "--prompt-ids", "1", "--weights", "fp8"], "multiple of 128"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(args, message):
     done = kforge("generate", *args)
     assert done.returncode == 2, done.stderr

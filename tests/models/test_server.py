@@ -216,6 +216,7 @@ def test_without_a_tokenizer_text_is_refused_and_the_server_stops_cleanly(checkp
         socket.create_connection(("127.0.0.1", port), timeout=5)
 
 
+@pytest.mark.slow
 def test_kforge_serve_serves_until_ctrl_c():
     command = [sys.executable, "-m", "kforge", "serve", "--model", "tiny", "--max-context", "64", "--port"]
     # Start it as a terminal would, with Ctrl-C's default: an ignored SIGINT is inherited across exec, and a
