@@ -141,12 +141,12 @@ class ReferenceWorker:
         synchronize(self.dev)
         return {"finite": outputs_finite(self.out)}
 
-    def compare(self, claims, digests, box: int = 0, inputs: bool = True, restored: bool = False) -> dict:
-        """The candidate's outputs (its claims about them, the values in mailbox `box`) and,
-        with `inputs`, its inputs (the arena's copy must be as the reference left its own:
-        the judge asks only after the candidate's last call on them; with `restored`, the
-        copy `restore` kept of them before writing them back) checked here. The mailbox
-        must still hold what the worker digested when it replied."""
+    def compare(self, claims, digests, box: int = 0, restored: bool = False) -> dict:
+        """The candidate's outputs (its claims about them, the values in mailbox `box`) and
+        its inputs (the arena's copy must be as the reference left its own: the judge asks
+        after the candidate's last call on them, or, with `restored`, of the copy `restore`
+        kept of them before writing them back) checked here. The mailbox must still hold
+        what the worker digested when it replied."""
         mailbox = self.mailboxes[box] if type(box) is int and box in range(MAILBOXES) else None
         if not (mailbox is not None and isinstance(digests, list) and len(digests) == len(mailbox)
                 and all(type(d) is int for d in digests)):
@@ -159,8 +159,7 @@ class ReferenceWorker:
                                 "worker replied: its outputs were written by work on no clock")
         else:
             left = self.left if restored else self.slot
-            result = ((compare_inputs(self.pristine, self.mine, left, self.problem, self.exposed) if inputs
-                       else None)
+            result = (compare_inputs(self.pristine, self.mine, left, self.problem, self.exposed)
                       or compare_claimed(self.out, claims, mailbox, self.problem, self.exposed))
         return {"comparison": result.to_dict()}
 
