@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from pathlib import Path
 
 from rich.console import Group
@@ -143,12 +145,37 @@ def eval_view(record: dict, results_path: str | None = None, verbose: bool = Fal
         parts.append(Text(f"note: {warning}", style="yellow"))
     if record.get("details"):
         lines = record["details"].rstrip().splitlines()
-        if not verbose and len(lines) > 12:
-            lines = ["... (--verbose for all of it)"] + lines[-12:]
+        if not verbose:
+            shown = user_traceback(lines)
+            note = ["(kforge's, torch's and the import machinery's frames left out: --verbose for all)"]
+            lines = (note if len(shown) < len(lines) else []) + (["..."] + shown[-12:] if len(shown) > 12 else shown)
         parts.append(Text("\n".join(lines), style="dim"))
     if results_path:
         parts.append(Text(f"record appended to {results_path}", style="dim"))
     return Group(*parts)
+
+
+_FRAME = re.compile(r'^  File "(?P<path>[^"]+)", line \d+')
+_KFORGE = str(Path(__file__).resolve().parent) + os.sep
+_USER_CODE_IN_KFORGE = tuple(f"{_KFORGE}{folder}{os.sep}" for folder in ("problems", "solutions"))
+
+
+def user_traceback(lines: list[str]) -> list[str]:
+    """A traceback's lines without the frames of kforge, torch and Python's import machinery
+    (each frame's "File" line and the indented source and caret lines under it): what is
+    left points at the user's file, and the exception's own lines stay."""
+    kept, hiding = [], False
+    for line in lines:
+        frame = _FRAME.match(line)
+        if frame:
+            path = frame["path"]
+            hiding = (path.startswith("<frozen ") or f"{os.sep}torch{os.sep}" in path
+                      or (path.startswith(_KFORGE) and not path.startswith(_USER_CODE_IN_KFORGE)))
+        elif not (hiding and line.startswith("    ")):
+            hiding = False
+        if not hiding:
+            kept.append(line)
+    return kept
 
 
 def _short_path(identity: dict) -> str:
