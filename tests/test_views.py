@@ -22,7 +22,8 @@ def test_kforge_torch_and_import_frames_are_left_out_and_the_users_stay():
         last="ValueError: bad")
     assert views.user_traceback(lines) == [
         "Traceback (most recent call last):",
-        '  File "/home/me/kforge-work/candidate.py", line 9, in forward', "    return helper(x)", "           ^^^^^^^^^",
+        '  File "/home/me/kforge-work/candidate.py", line 9, in forward', "    return helper(x)",
+        "           ^^^^^^^^^",
         '  File "/home/me/kforge-work/candidate.py", line 4, in helper', '    raise ValueError("bad")',
         "ValueError: bad"]
 
