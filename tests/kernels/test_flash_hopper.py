@@ -15,7 +15,7 @@ from kforge.kernels.attention import flash_hopper
 from kforge.kernels.attention.flash_hopper import (check_hopper_inputs, flash_attention_hopper, kernel_defines,
                                                    shared_bytes)
 from kforge.kernels.attention.naive import naive_attention
-from kforge.runtime.cuda import CudaCompileError, compile_cuda, resources, sass
+from kforge.runtime.cuda import CudaCompileError, compile_cuda, resources, sass, sass_loop_instructions
 
 BUILDS = [(d, causal, dtype) for d in flash_hopper.HEAD_DIMS for causal in (False, True)
           for dtype in (torch.bfloat16, torch.float16)]
@@ -28,23 +28,12 @@ def _build_id(build):
     return f"hd{d}-{'causal' if causal else 'full'}-{str(dtype).removeprefix('torch.')}"
 
 
-_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
-
-
 def key_tile_loops(code: str) -> list[list[str]]:
     """The consumers' key-tile loops in `sass` text, each as its instructions (predicates dropped):
-    the backward branches whose bodies hold wgmmas and no TMA load. (The other backward branches
-    are the mbarrier waits' retries, out of line at the end of the code, and the producer's loop.)"""
-    lines = _LINE.findall(code)
-    position = {int(address, 16): i for i, (address, _) in enumerate(lines)}
-    loops = []
-    for i, (address, text) in enumerate(lines):
-        target = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
-        if target and int(target.group(1), 16) < int(address, 16):
-            body = [re.sub(r"^@!?U?P\w+\s+", "", t).strip() for _, t in lines[position[int(target.group(1), 16)]:i]]
-            if any(t.startswith("HGMMA") for t in body) and not any(t.startswith("UTMALDG") for t in body):
-                loops.append(body)
-    return loops
+    the loops whose bodies hold wgmmas and no TMA load. (The other loops are the mbarrier waits'
+    retries, out of line at the end of the code, and the producer's loop.)"""
+    return [body for body in sass_loop_instructions(code)
+            if any(t.startswith("HGMMA") for t in body) and not any(t.startswith("UTMALDG") for t in body)]
 
 
 # --- the compiled kernel, on any machine ------------------------------------------------------

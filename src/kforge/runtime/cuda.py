@@ -272,8 +272,8 @@ def sass(cubin: Cubin) -> str:
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 
 
-def sass_loops(code: str) -> list[list[str]]:
-    """Each loop of `sass` text as its opcodes (with their modifiers, without predicates): every
+def sass_loop_instructions(code: str) -> list[list[str]]:
+    """Each loop of `sass` text as its instructions (operands kept, predicates dropped): every
     instruction from a backward branch's target up to the branch."""
     lines = _SASS_LINE.findall(code)
     position = {int(address, 16): i for i, (address, _) in enumerate(lines)}
@@ -282,8 +282,13 @@ def sass_loops(code: str) -> list[list[str]]:
         target = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < int(address, 16):
             body = lines[position[int(target.group(1), 16)]:i]
-            loops.append([re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in body])
+            loops.append([re.sub(r"^@!?U?P\w+\s+", "", t).strip() for _, t in body])
     return loops
+
+
+def sass_loops(code: str) -> list[list[str]]:
+    """Each loop of `sass` text as its opcodes (with their modifiers, without predicates)."""
+    return [[instruction.split()[0] for instruction in loop] for loop in sass_loop_instructions(code)]
 
 
 def loop_opcodes(code: str) -> list[str]:
