@@ -39,7 +39,7 @@ from kforge.harness.loading import call_user, file_sha256
 from kforge.harness.problem import SIZES, Problem, load_problem
 from kforge.harness.record import EvalRecord
 from kforge.harness.roofline import Ceilings, Roofline, get_ceilings, roofline_for
-from kforge.harness.timing import TimingConfig, TimingRun, time_interleaved
+from kforge.harness.timing import CallProfile, TimingConfig, TimingRun, time_interleaved
 from kforge.harness.verdict import Verdict, judge_speed, paired_ratios, round_ratios
 from kforge.runtime.interpreter import interpreter_active, mend_interpreter
 
@@ -63,6 +63,12 @@ STATUS_OF_DEFENCE = {
 }
 AA = "reference_aa"  # the reference timed again each round: the A/A pair that measures the noise floor
 BB = "candidate_bb"  # the candidate timed again each round (the judge's rounds): the two sides' rhythm alike
+TRUSTED = ("reference", AA)  # whose device tails set the off-stream allowance (timing._sync_cost)
+# `device_sync` names work off the timed stream when most calls had some and it cost more
+# than this share of the call: an honest call that leaves the GPU idle can pay ~25 us more
+# for the closing synchronize than the allowance (timing._sync_cost), and is charged that,
+# but is not called hidden work (H200: calls with 2 ms of host work, 1-2% of their time).
+OFF_STREAM_SHARE = 0.05
 CEILING_DOUBT = 0.9  # a reference faster than 1/0.9 of the measured roof casts doubt on the ceilings
 GATE1_FAILURE_DEFENCE = {"output_type": "plain_tensor", "mutated_inputs": "input_clones", "poison": "poison"}
 
@@ -222,7 +228,7 @@ class _Run:
                     self.device, config, seed=derive_seed(self.seed, "order"),
                     fresh_inputs=True, check_round=check_round,
                     release={name: lambda out: poison_outputs(out, reference) for name in ("reference", AA)},
-                    decided=decided_by(self.min_speedup),
+                    decided=decided_by(self.min_speedup), trusted=TRUSTED,
                 )
         except DefenceFired as fired:
             if watch.started:  # the wrong output came from the thread: name the cause first
@@ -250,6 +256,12 @@ def decided_by(min_speedup: float | None) -> Callable[[dict[str, list[float]]], 
     return lambda calls: speed_verdict(calls, min_speedup).decided
 
 
+def off_stream_work(profile: CallProfile) -> bool:
+    """Did most calls leave work past the timed stream's end, enough to matter? (It is
+    charged either way: timing._device_ms.)"""
+    return profile.off_stream_frac > 0.5 and profile.off_stream_ms > OFF_STREAM_SHARE * profile.median_device_ms
+
+
 def gate2_verdict(run: TimingRun, roof: Roofline, ceilings: Ceilings, baseline: str, warnings: list[str],
                   defences: list[str], verdict: Verdict) -> tuple[str, str | None]:
     """Gate 2's status and reason from a timing run, its verdict and the roofline; appends
@@ -257,7 +269,7 @@ def gate2_verdict(run: TimingRun, roof: Roofline, ceilings: Ceilings, baseline: 
     ref_ms = run.stats["reference"].median_ms
     cand_ms = run.stats["candidate"].median_ms
     status, reason = "passed", None
-    if run.profile["candidate"].off_stream_frac > 0.5:
+    if off_stream_work(run.profile["candidate"]):
         defences.append("device_sync")
     floor = roof.physical_floor_ms
     if floor is not None and ref_ms < floor:

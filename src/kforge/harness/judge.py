@@ -45,7 +45,7 @@ from pathlib import Path
 from kforge.errors import KforgeError
 from kforge.harness import containment
 from kforge.harness.channel import Channel, ChannelError
-from kforge.harness.evaluate import (AA, BB, STATUS_OF_DEFENCE, derive_seed, exposed_seeds, gate2_fields,
+from kforge.harness.evaluate import (AA, BB, STATUS_OF_DEFENCE, TRUSTED, derive_seed, exposed_seeds, gate2_fields,
                                      gate2_verdict, identity, pair_key, roofline_fields, speed_verdict)
 from kforge.harness.record import EvalRecord
 from kforge.harness.roofline import Ceilings, get_ceilings, roofline_for
@@ -378,10 +378,10 @@ class Judge:
         cuda = self._device_info().is_cuda
 
         def decided(calls: dict[str, list[float]]) -> bool:
-            bounded = cuda and host_bound(call_profiles(raw, ["reference", "candidate"]))
+            bounded = cuda and host_bound(call_profiles(raw, ["reference", "candidate"], TRUSTED))
             return speed_verdict(calls, self.min_speedup, bounded).decided
 
-        stopper = StopRule(config, names, host=False, decided=decided)
+        stopper = StopRule(config, names, host=False, decided=decided, trusted=TRUSTED)
         mutates = bool(self.setup.get("mutates_inputs"))
         rounds = rechecked = 0
         while True:
@@ -431,14 +431,14 @@ class Judge:
                                     defences=(name,))
             if stop_reason:
                 break
-        per_call = per_call_ms(raw, names, host=False)
+        per_call = per_call_ms(raw, names, host=False, trusted=TRUSTED)
         run = TimingRun(
             stats={name: TimingStats.from_samples(per_call[name]) for name in names},
             clock="cuda_events" if cuda else "host", rounds=rounds, stop_reason=stop_reason, pool_sets=1,
             pool_bytes=0, flush_bytes=self._rest_timer.flush_bytes if cuda else 0,
             cover_ms=cover, rechecked_rounds=rechecked,
             sync_overhead_ms=statistics.median(sync_costs(raw)) if cuda else None,
-            profile=call_profiles(raw, names),
+            profile=call_profiles(raw, names, TRUSTED),
             warmup_calls={"reference": int(_number(warm.get("calls"))),
                           "candidate": int(_number(cand_warm.get("calls")))},
             wall_s=time.perf_counter() - t0,
