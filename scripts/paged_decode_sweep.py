@@ -21,9 +21,10 @@ from kforge.kernels.serving.paged_decode import paged_decode, plan_decode, reduc
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, PAGE = 32, 8, 32, 128, 16
 TABLE_TOKENS = 4096
-# (BLOCK_N, partition size); None: plan_decode's choice (BLOCK_N 64 at head dim 128 in bf16). A program
-# walks partition / BLOCK_N tiles one after another: at batch 1 each costs latency, not bytes.
-PARTITIONS = [None, (64, 64), (64, 128), (128, 128), (64, 256), (128, 256), (64, 512)]
+# (BLOCK_N, partition size[, num_stages]); None: plan_decode's choice (at batch 1, one 128-token tile
+# a partition). A program walks partition / BLOCK_N tiles one after another: at batch 1 each costs
+# latency, not bytes. With one tile a program, fewer stages leave shared memory for more programs an SM.
+PARTITIONS = [None, (64, 64), (64, 128), (128, 128), (128, 128, 2), (128, 128, 1), (64, 256), (128, 256), (64, 512)]
 
 
 def graphed(calls):
@@ -51,11 +52,13 @@ def main():
         fns = {}
         for tiling in PARTITIONS:
             for fused in (False, True):
-                config = None if tiling is None else {"BLOCK_N": tiling[0], "partition_size": tiling[1]}
+                config = None if tiling is None else {"BLOCK_N": tiling[0], "partition_size": tiling[1],
+                                                      **({"num_stages": tiling[2]} if len(tiling) > 2 else {})}
                 got = paged_decode(q, *caches[0], table, lens, validate=False, config=config, fused_reduce=fused)
                 error = (got.float() - want.float()).abs().max().item()
-                shape = "default" if tiling is None else f"{tiling[1]} by {tiling[0]}"
-                name = f"{shape:>10} {'one launch' if fused else 'two'}"
+                shape = "default" if tiling is None else f"{tiling[1]} by {tiling[0]}" + (
+                    f" s{tiling[2]}" if len(tiling) > 2 else "")
+                name = f"{shape:>13} {'one launch' if fused else 'two'}"
                 if error > 2e-2:
                     print(f"  {name}: wrong (max error {error:.3g}), not timed")
                     continue
@@ -64,7 +67,7 @@ def main():
         times = median_ms(fns, 100)
         print(f"context {context}: us a call (median of 100 replays of {LAYERS} calls)")
         for name, ms in times.items():
-            print(f"  partition {name:<21} {ms * 1e3 / LAYERS:6.2f}")
+            print(f"  partition {name:<24} {ms * 1e3 / LAYERS:6.2f}")
 
 
 if __name__ == "__main__":

@@ -43,3 +43,14 @@ def test_an_honest_candidates_claims_sit_within_the_allowance(gpu_ceilings):
     assert abs(claims["excess_ms"]) < claims["allowed_ms"], claims
     # a 10 us kernel timed as its device time, launches hidden by the judge's cover, on both sides
     assert 0.97 <= record.speedup <= 1.03, record.gate2["verdict"]
+
+
+@pytest.mark.parametrize("candidate", ["host_work_before_launch", "host_work_after_launch"])
+def test_an_honest_host_heavy_candidate_is_not_called_hidden_work(candidate, gpu_ceilings):
+    # 2 ms of host work around a 4 us add leaves the GPU idle before the call's end: its
+    # closing synchronize costs ~25 us more than the null calls' (judge-tails.txt), which
+    # flagged device_sync on all of them before the reference's tails set the allowance
+    record = _judged(candidate, gpu_ceilings, problem=FIXTURES / "problems" / "add.py")
+    assert record.status == "slower", record.reason
+    assert record.defences == [], record.defences
+    assert record.gate2["stats"]["candidate"]["median_ms"] > 0.5, "charged its host work past the cover: the GPU waited"

@@ -179,8 +179,11 @@ def test_min_bytes_count_k_and_v_once_plus_q_out_and_tables():
 def test_plan_fills_the_h100_without_splitting_what_is_already_full():
     # the target: 64 x 8 = 512 programs already: no partitions, no second kernel
     assert plan_decode(64, 8, 4096, 128, 2) == DecodePlan(block_n=64, partition_size=4096, num_partitions=1)
-    # batch 1: 8 programs per partition; 32 partitions of 128 tokens (the smallest) -> 256 programs
-    assert plan_decode(1, 8, 4096, 128, 2) == DecodePlan(block_n=64, partition_size=128, num_partitions=32)
+    # batch 1: 8 programs per partition; 32 partitions of 128 tokens (the smallest) -> 256 programs,
+    # each one 128-token tile (a second tile walked in turn is a second round of latency)
+    assert plan_decode(1, 8, 4096, 128, 2) == DecodePlan(block_n=128, partition_size=128, num_partitions=32)
+    assert plan_decode(1, 8, 4096, 128, 2, config={"partition_size": 128}).block_n == 64, "asked, not chosen"
+    assert plan_decode(1, 8, 4096, 256, 2).block_n == 32, "a 128-token tile of head dim 256 is 64 KB: too big"
     batch_8 = plan_decode(8, 8, 4096, 128, 2)
     assert batch_8.num_partitions == 5 and 8 * 8 * batch_8.num_partitions >= 2 * 132
     assert batch_8.partition_size % 64 == 0 and batch_8.partition_size * 5 >= 4096
