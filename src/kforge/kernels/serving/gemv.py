@@ -288,7 +288,12 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None, *, n
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]),)
 
-        gemv_autotuned[grid](x, weight, y, norm_weight, residual, batch, n, k, *strides, *tail, **args)
+        # Triton's autotuner adds every tensor argument's dtype to the key, and None has none: y stands in
+        # for a missing residual (unread: EPILOGUE says so), so the residual-add call and the plain
+        # GEMV of its weight share one tuned tile. Apart, each picked its own by timing, and the
+        # fused decode step once lost the unfused one's bits (H200, test_decode_graphs.py).
+        gemv_autotuned[grid](x, weight, y, norm_weight, y if residual is None else residual, batch, n, k, *strides,
+                             *tail, **args)
     else:
         blocks = {key: config[key] for key in ("BLOCK_N", "BLOCK_K", "USE_DOT")}
         gemv_kernel[(triton.cdiv(n, blocks["BLOCK_N"]),)](
