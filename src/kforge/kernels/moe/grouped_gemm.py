@@ -519,8 +519,9 @@ def check_layout_inputs(x: torch.Tensor, weight: torch.Tensor, groups: torch.Ten
 
 # FP8, contiguous, not gated, on Hopper: the CUDA block-scaled GEMM built for groups (quant/fp8_block_gemm.cu,
 # GROUPED), in place of the Triton kernel below (661 TFLOP/s at DeepGEMM's 4 x 8192 x 4096 x 7168 shape on
-# an H200; the CUDA kernel ran at ~1,390 TFLOP/s ungrouped on an H100). Grouped, on the H200: 1,180 TFLOP/s,
-# 1.78x the Triton kernel, its GPU tests passing (docs/moe.md). False keeps every call on the Triton kernel.
+# an H200; the CUDA kernel ran at ~1,390 TFLOP/s ungrouped on an H100). Grouped, on the H200: 1,267-1,283
+# TFLOP/s kernel-alone, 1.03x a loop of block-scaled _scaled_mm, its GPU tests passing (docs/moe.md). False
+# keeps every call on the Triton kernel.
 CUDA_FP8_CONTIGUOUS = True
 
 
