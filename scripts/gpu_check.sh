@@ -27,11 +27,12 @@
 #   decode-fused   (the decode fusions' GPU tests: GEMV epilogues, RoPE + append, one-launch decode attention, the
 #                   engine's graphs; then decode_profile.py fused and --unfused, alternating, twice, in DECODE_WEIGHTS,
 #                   default bf16; a quantized format also runs with --quantize-head)
+#   judge-tails   (scripts/judge_tails.py: the judge's raw clocks, the synchronize's tail past each call's stream)
 #   decode-sweep   (scripts/paged_decode_sweep.py: batch-1 decode attention's partitions and reduces as a step runs
 #                   them, 32 calls in a graph)
 #   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
 #   moe-fp8-cuda   (the CUDA grouped FP8 GEMM's GPU tests first, under a 300 s timeout (a hung mbarrier must not
-#                   take the call), then kforge bench moe on the fp8 group)
+#                   take the call), then scripts/moe_fp8_grouping_cost.py and kforge bench moe on the fp8 group)
 #   fp8-gemv   (the FP8 decode GEMV's GPU tests, and the engine's FP8 decode through it)
 #   deepseek   (chain and tree speculative sampling, MLA decode, DSA's indexer and sparse MLA, the
 #               DeepSeek-shaped model's GPU tests and its speculative generation, on the GPU)
@@ -201,6 +202,9 @@ if [[ $parts == *" harness "* ]]; then
     tests/harness/test_judge_gpu.py tests/harness/test_gpu.py tests/harness/test_profile.py 2>&1 \
     | tee "$out/pytest-harness-gpu.txt" | tail -60  # the whole log kept: a failure's traceback is in it
 fi
+if [[ $parts == *" judge-tails "* ]]; then
+  python3 scripts/judge_tails.py "$out/judge-tails.json" 2>&1 | tee "$out/judge-tails.txt"
+fi
 if [[ $parts == *" machine "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/machine 2>&1 | tee "$out/pytest-machine-gpu.txt" | tail -30
 fi
@@ -238,6 +242,8 @@ fi
 if [[ $parts == *" moe-fp8-cuda "* ]]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_moe_grouped_gemm.py \
     -k "cuda_fp8 or contiguous_on_the_gpu" 2>&1 | tail -20 | tee "$out/pytest-moe-fp8-cuda-gpu.txt"
+  PYTHONPATH="$PWD/src:$PWD/scripts" timeout 120 python3 scripts/moe_fp8_grouping_cost.py 2>&1 \
+    | tee "$out/moe-fp8-grouping-cost.txt"
   timeout 420 python3 -m kforge bench moe --shapes fp8 --results "$out/bench-moe-fp8.jsonl" 2>&1 \
     | tee "$out/bench-moe-fp8.txt" | tail -30
 fi
