@@ -1,5 +1,7 @@
 """The judge's raw clocks on a GPU, per call: the timed stream's time, the tail of the device-wide
-end past it, and the host's time; for the null calls, the reference's and the candidate's.
+end past it, and the host's time; for the null calls and each side's two calls a round
+(reference, candidate, reference_aa, candidate_bb). The add problem's runs take a 0.5 s budget
+(under the default minimum time, so they stop on the budget: ~15 rounds are enough here).
 
     PYTHONPATH=src python scripts/judge_tails.py OUT.json
 

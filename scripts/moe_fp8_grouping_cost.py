@@ -2,8 +2,9 @@
 
     PYTHONPATH=src:scripts python scripts/moe_fp8_grouping_cost.py
 
-The grouped build (`fp8_grouped_gemm_contiguous`, no clusters) read 0.84-0.89x a loop of
-`_scaled_mm` on the H200. Here, on the same rows and the same block scales, kernel-alone
+What the grouped build (`fp8_grouped_gemm_contiguous`, no clusters) loses against the same
+kernel ungrouped, and where it stands against the loops of `_scaled_mm`: on the same rows and
+the same block scales (every expert's run a whole number of tiles: no padding), kernel-alone
 (device_timing.median_ms: L2 flushed, events around the call): the grouped build; the plain
 build (`fp8_block_gemm`) once per expert, with and without its 2-CTA cluster; the plain build
 on all 32768 rows against one expert's weights (the ungrouped bound: the same tiles, no

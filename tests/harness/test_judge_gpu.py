@@ -20,6 +20,7 @@ def test_work_on_a_side_stream_passes_only_at_its_real_speed(gpu_ceilings):
     assert record.gate1["passed"], record.reason
     assert 0.9 < record.speedup < 1.1, record.gate2["stats"]
     assert record.status in ("tie", "slower"), record.reason
+    assert "device_sync" in record.defences, record.gate2["profile"]["candidate"]
 
 
 def test_a_worker_that_replies_before_the_gpu_is_done_is_caught(gpu_ceilings):

@@ -148,7 +148,6 @@ def test_a_call_costs_the_longer_of_device_and_host_time():
     assert profile["host_bound"].host_bound_frac == 1.0 and profile["honest"].host_bound_frac == 0.0
 
 
-
 def test_the_references_own_tails_widen_the_off_stream_allowance():
     # H200 clocks in shape: the null calls' synchronize costs 15-20 us (behind the judge's
     # cover, the GPU busy); the reference's own calls, ending on an idle GPU, 30-40 us. A
@@ -165,25 +164,39 @@ def test_the_references_own_tails_widen_the_off_stream_allowance():
     beside = call_profiles(raw, ["reference", "candidate"], trusted=["reference"])
     assert alone["reference"].off_stream_frac == 1.0 and beside["reference"].off_stream_frac == 0.04, "its top 5%"
     assert alone["candidate"].off_stream_frac == 1.0 and beside["candidate"].off_stream_frac == 0.5
-    typical = 0.015 + 0.0001 * 24.5
+    typical, allowance = 0.015 + 0.0001 * 24.5, 0.030 + 0.0002 * 47  # the reference's 95th percentile
     charged = per_call_ms(raw, ["candidate"], trusted=["reference"])["candidate"]
     assert charged == [pytest.approx(0.100)] * 10 + [pytest.approx(0.430 - typical)] * 10
-    assert beside["candidate"].off_stream_ms == pytest.approx((0.430 - typical - 0.100) / 2)
+    assert beside["candidate"].off_stream_ms == pytest.approx((0.330 - allowance) / 2), "the median tail past it"
+
+
+def test_the_references_tails_widen_the_allowance_by_at_most_the_cap():
+    # a reference with 0.2 ms of its own work on a side stream must not buy a candidate 0.2 ms
+    from kforge.harness.timing import SYNC_ALLOWANCE_CAP_MS, call_profiles
+
+    raw = {
+        "null": [(0.0, 0.020, 0.0003)] * 40,
+        "reference": [(0.100, 0.320, 0.01)] * 40,
+        "candidate": [(0.100, 0.100 + 0.020 + SYNC_ALLOWANCE_CAP_MS + 0.005, 0.01)] * 40,
+    }
+    profile = call_profiles(raw, ["reference", "candidate"], trusted=["reference"])["candidate"]
+    assert profile.off_stream_frac == 1.0 and profile.off_stream_ms == pytest.approx(0.005)
 
 
 def test_device_sync_names_off_stream_work_only_where_it_mattered():
     from kforge.harness.evaluate import off_stream_work
     from kforge.harness.timing import CallProfile
 
-    def profile(frac, off_ms, device_ms=2.0):
+    def profile(frac, off_ms, device_ms=2.0):  # off_ms: the median tail past the allowance
         return CallProfile(median_device_ms=device_ms, median_host_ms=0.1, host_bound_frac=0.0, off_stream_frac=frac,
                            off_stream_ms=off_ms)
 
     assert off_stream_work(profile(1.0, 1.9)), "the work hidden on a side stream"
     assert off_stream_work(profile(0.6, 0.2))
-    assert not off_stream_work(profile(1.0, 0.03)), "a host-long call's dearer synchronize: 1.5% of it"
+    assert not off_stream_work(profile(1.0, 0.005, device_ms=0.2)), "a host-long call's dearer synchronize"
     assert not off_stream_work(profile(0.4, 1.9)), "most calls had none"
-    assert off_stream_work(profile(1.0, 0.009, device_ms=0.0092)), "a 9 us add on a side stream"
+    assert off_stream_work(profile(1.0, 0.009, device_ms=0.0092)), "past the allowance by as much as the call takes"
+
 
 def test_the_stop_rule_does_not_slow_the_loop_as_samples_grow(cpu):
     # Checking the rse over all samples after every round made the loop quadratic:

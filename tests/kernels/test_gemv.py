@@ -360,3 +360,15 @@ def test_fused_epilogues_on_the_gpu_give_the_unfused_pairs_bits(n, k, epilogue, 
     else:
         got, unfused = gemv_swiglu(x, w), swiglu(gemv_op(x, w))
     assert torch.equal(got, unfused)
+
+
+def test_the_launch_refuses_a_residual_without_its_epilogue_and_the_epilogue_without_one():
+    # the autotuned launch lends y as the residual argument when there is none (one tuned tile
+    # for the plain and residual-add GEMVs): a residual-add with none would add y's garbage
+    from kforge.kernels.serving.gemv import launch_gemv
+
+    x, w = torch.randn(2, 64), torch.randn(32, 64)
+    with pytest.raises(ValueError, match="a residual goes with EPI_RESIDUAL"):
+        launch_gemv(x, w, None, epilogue=EPI_RESIDUAL)
+    with pytest.raises(ValueError, match="a residual goes with EPI_RESIDUAL"):
+        launch_gemv(x, w, None, epilogue=EPI_NONE, residual=torch.randn(2, 32))

@@ -184,6 +184,7 @@ def test_plan_fills_the_h100_without_splitting_what_is_already_full():
     assert plan_decode(1, 8, 4096, 128, 2) == DecodePlan(block_n=128, partition_size=128, num_partitions=32)
     assert plan_decode(1, 8, 4096, 128, 2, config={"partition_size": 128}).block_n == 64, "asked, not chosen"
     assert plan_decode(1, 8, 4096, 256, 2).block_n == 32, "a 128-token tile of head dim 256 is 64 KB: too big"
+    assert plan_decode(64, 8, 128, 128, 2).block_n == 64, "512 programs fill the GPU: bytes, not latency"
     batch_8 = plan_decode(8, 8, 4096, 128, 2)
     assert batch_8.num_partitions == 5 and 8 * 8 * batch_8.num_partitions >= 2 * 132
     assert batch_8.partition_size % 64 == 0 and batch_8.partition_size * 5 >= 4096

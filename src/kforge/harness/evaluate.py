@@ -64,10 +64,10 @@ STATUS_OF_DEFENCE = {
 AA = "reference_aa"  # the reference timed again each round: the A/A pair that measures the noise floor
 BB = "candidate_bb"  # the candidate timed again each round (the judge's rounds): the two sides' rhythm alike
 TRUSTED = ("reference", AA)  # whose device tails set the off-stream allowance (timing._sync_cost)
-# `device_sync` names work off the timed stream when most calls had some and it cost more
-# than this share of the call: an honest call that leaves the GPU idle can pay ~25 us more
-# for the closing synchronize than the allowance (timing._sync_cost), and is charged that,
-# but is not called hidden work (H200: calls with 2 ms of host work, 1-2% of their time).
+# `device_sync` names work off the timed stream when most calls had some and their tails ran
+# past the allowance (timing._sync_cost) by more than this share of the call: an honest call
+# that leaves the GPU idle pays more for the closing synchronize than the null calls, is
+# charged that, and is not called hidden work (H200: calls with 2 ms of host work).
 OFF_STREAM_SHARE = 0.05
 CEILING_DOUBT = 0.9  # a reference faster than 1/0.9 of the measured roof casts doubt on the ceilings
 GATE1_FAILURE_DEFENCE = {"output_type": "plain_tensor", "mutated_inputs": "input_clones", "poison": "poison"}
@@ -257,8 +257,8 @@ def decided_by(min_speedup: float | None) -> Callable[[dict[str, list[float]]], 
 
 
 def off_stream_work(profile: CallProfile) -> bool:
-    """Did most calls leave work past the timed stream's end, enough to matter? (It is
-    charged either way: timing._device_ms.)"""
+    """Did most calls leave work past the timed stream's end, past what honest tails reach
+    by over OFF_STREAM_SHARE of the call? (It is charged either way: timing._device_ms.)"""
     return profile.off_stream_frac > 0.5 and profile.off_stream_ms > OFF_STREAM_SHARE * profile.median_device_ms
 
 

@@ -269,6 +269,8 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None, *, n
     so the result has the bits of the unfused pair (`gemv_epilogue_reference`). With
     ROWS_KERNEL_ENABLED, one bf16 token without a norm or a config takes the CUDA kernel
     (`rows_kernel_fits`)."""
+    if (epilogue == EPI_RESIDUAL) != (residual is not None):  # the autotuned launch lends y for a missing one
+        raise ValueError("a residual goes with EPI_RESIDUAL, and only with it")
     batch, k = x.shape
     n = weight.shape[0] // 2 if epilogue == EPI_SWIGLU else weight.shape[0]
     y = torch.empty((batch, n), dtype=x.dtype, device=x.device)

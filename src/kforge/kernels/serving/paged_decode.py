@@ -314,11 +314,12 @@ def plan_decode(batch: int, kv_heads: int, max_context: int, head_dim: int, elem
         most = math.ceil(max_context / max(MIN_PARTITION_TOKENS, block_n))
         partition_size = math.ceil(max_context / max(1, min(wanted, most)))
         partition_size = math.ceil(partition_size / block_n) * block_n
-        # A program walks its tiles one after another, each a round trip of latency where the
-        # partitions are the smallest (batch 1): one tile the partition's size where that is
-        # at most two tiles' bytes. H200, batch 1, llama3-8b's 32 calls a step: 9.23 -> 8.41 us
-        # a call at 512 tokens, 10.79 -> 10.16 at 2048 (paged-decode-sweep.txt).
-        if chosen_tile and partition_size <= MIN_PARTITION_TOKENS \
+        # A program walks its tiles one after another, each a round trip of latency, where the
+        # grid wants more partitions than the context has 128-token ones (small batches): one
+        # tile the partition's size where that is at most two tiles' bytes. H200, batch 1,
+        # llama3-8b's 32 calls a step: 9.23 -> 8.40 us a call at 512 tokens, 10.79 -> 10.19 at
+        # 2048 (paged-decode-sweep.txt); larger batches, whose programs fill the GPU, keep theirs.
+        if chosen_tile and wanted > most and partition_size <= MIN_PARTITION_TOKENS \
                 and partition_size * head_dim * element_size <= 2 * TILE_BYTES:
             block_n = partition_size
     num_warps, num_stages = config.pop("num_warps", 4), config.pop("num_stages", 3)
