@@ -7,6 +7,7 @@
 # device's CUDA 13.0 driver; one flavor is enough).
 # Each wheel is rewritten as an uncompressed (stored) zip with byte-identical members, then
 # xz -9e'd: 99.5 MiB to carry instead of 170.8 MiB (3 device calls instead of 4).
+# unpack.sh's MANIFEST holds these .xz files' sha256: a rebuild with another xz must update it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p "${CARRY_DIR:=lab/tools}" && cd "$CARRY_DIR"
