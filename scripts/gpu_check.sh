@@ -280,6 +280,8 @@ if [[ $parts == *" dsa "* ]]; then
   PYTHONPATH=src:scripts timeout 540 python3 scripts/dsa_sweep.py 2>&1 | tee "$out/dsa-sweep.txt"
 fi
 if [[ $parts == *" abstraction "* ]]; then
+  # CuTe DSL and TileLang where scripts/carry_tools/unpack.sh installed them (docs/abstraction.md)
+  [[ -f /tmp/tools/env.sh ]] && . /tmp/tools/env.sh
   python3 -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/kernels/test_abstraction.py 2>&1 | tail -8 \
     | tee "$out/pytest-abstraction-gpu.txt"
   for kernel in gemm softmax; do
