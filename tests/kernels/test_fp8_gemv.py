@@ -221,6 +221,31 @@ def test_llama_linear_takes_the_gemv_up_to_16_rows_and_the_dequantized_weight_ab
     assert ((y.double() - exact).abs() <= 2**-7 * exact.abs() + 2**-8 * magnitude).all()
 
 
+
+def test_the_residual_add_gives_the_pairs_bits_and_refuses_a_wrong_residual():
+    # CPU: the Triton kernel under the interpreter, then the add; the op's reference path; the
+    # model's down projection takes it for an FP8 weight at decode (one launch less on the GPU)
+    from kforge import ops
+    from kforge.models.llama import model
+    from kforge.models.llama.quantize import Fp8Weight
+
+    x, q, scale = _inputs(3, 140, 256)
+    residual = torch.randn(3, 140).bfloat16()
+    pair = residual + fp8_gemv(x, q, scale, config=SMALL)
+    assert torch.equal(fp8_gemv(x, q, scale, config=SMALL, residual=residual), pair)
+    assert torch.equal(fp8_gemv(x[0], q, scale, config=SMALL, residual=residual[0]), pair[0])
+    assert torch.equal(ops.fp8_gemv_residual(x, q, scale, residual), residual + fp8_gemv_reference(x, q, scale))
+    weight = Fp8Weight(q, scale)
+    assert torch.equal(model.linear_residual(x, weight, residual), residual + model.linear(x, weight))
+    for bad, message in ((residual[:, :139], "y's shape"), (residual.float(), "torch.bfloat16"),
+                         (torch.randn(140, 3).bfloat16().t(), "contiguous rows")):
+        with pytest.raises(ValueError, match=message):
+            fp8_gemv(x, q, scale, residual=bad)
+        with pytest.raises(ValueError, match=message):
+            ops.fp8_gemv_residual(x, q, scale, bad)
+    torch.library.opcheck(torch.ops.kforge.fp8_gemv_residual.default, (x, q, scale, residual),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
 # --- machine code for the H100, compiled on any machine ---------------------------------------------
 
 def _compiled(defines):
@@ -252,6 +277,25 @@ def test_the_cuda_kernel_compiles_for_sm90_as_designed(n_tiles, per_weight):
     assert ops["LDG.E.128.CONSTANT"] == chunks * 4 * n_tiles and ops["LDG.E.CONSTANT"] == chunks, ops
     assert not any(op.startswith(("I2F", "F2I", "LDL", "STL", "LDS", "STS", "BAR")) for op in ops), ops
     assert len(loop) <= per_weight * weights, f"{len(loop) / weights:.2f} instructions a weight"
+
+
+def test_the_residual_build_adds_in_the_store_and_keeps_the_loop():
+    """RESIDUAL 1: the same loop instruction for instruction; each stored element reads one bf16 of
+    residual (a 16-bit load), adds once in fp32 and rounds once more; no spills."""
+    m_tiles, k_warps, x_ahead, min_blocks = module.cuda_variant(4096, 1)
+    defines = {"MT": m_tiles, "NT": 1, "KW": k_warps, "XPF": int(x_ahead), "MINB": min_blocks}
+    from kforge.runtime.cuda import compile_cuda, sass
+
+    _, plain_loop = _compiled(defines)
+    used, loop = _compiled({**defines, "RESIDUAL": 1})
+    assert loop == plain_loop
+    assert (used.spill_stores, used.spill_loads, used.local_bytes) == (0, 0, 0) and used.registers <= 80, used
+    code = sass(compile_cuda(module.CUDA_SOURCE, arch="sm_90a", defines={**defines, "RESIDUAL": 1}))
+    plain = sass(compile_cuda(module.CUDA_SOURCE, arch="sm_90a", defines=defines))
+    count = lambda op, text: sum(f" {op} " in line for line in text.splitlines())
+    # a lane stores four elements (two rows x two tokens of its m16 n8 fragment): each one more load, add, rounding
+    for op in ("LDG.E.U16.CONSTANT", "FADD", "F2F.BF16.F32"):
+        assert count(op, code) == count(op, plain) + 4, op
 
 
 SWEEP_VARIANTS = [(1, 8, 0, 3), (1, 8, 1, 2), (1, 8, 1, 1), (1, 4, 0, 5), (1, 4, 1, 4), (1, 16, 0, 1), (1, 16, 1, 1),
@@ -313,6 +357,21 @@ def test_the_cuda_kernel_in_every_variant_batch_and_odd_shape(nan_outputs):
                 module.launch_cuda_gemv(x, q, scale, y, m_tiles=m_tiles, k_warps=k_warps, x_ahead=x_ahead,
                                         min_blocks=1)
                 assert_matches(y, x, q, scale)
+
+
+@pytest.mark.gpu
+def test_the_cuda_residual_build_gives_the_pairs_bits(nan_outputs):
+    """RESIDUAL 1 against the unfused pair (the plain build, then torch's bf16 add), bit for bit, for
+    1 to 16 tokens and odd N, residual rows wider than N; and through the op."""
+    from kforge import ops
+
+    for batch in (1, 3, 9, 16):
+        for n, k in ((300, 1152), (4096, 4096), (4100, 14336)):
+            x, q, scale = _inputs(batch, n, k, "cuda", seed=batch + n)
+            residual = torch.randn(batch, n + 8, device="cuda").bfloat16()[:, :n]
+            pair = residual + fp8_gemv(x, q, scale)
+            assert torch.equal(fp8_gemv(x, q, scale, residual=residual), pair), (batch, n, k)
+            assert torch.equal(ops.fp8_gemv_residual(x, q, scale, residual), pair)
 
 
 @pytest.mark.gpu

@@ -199,7 +199,7 @@ def test_the_fused_decode_step_computes_what_the_unfused_one_does(tiny, monkeypa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("weights", ["bf16", "w4a16"])
+@pytest.mark.parametrize("weights", ["bf16", "w4a16", "fp8"])
 def test_the_fused_decode_step_gives_the_unfused_steps_logits_bit_for_bit(weights, monkeypatch):
     """The decode fusions (GEMV epilogues, RoPE + append) keep the
     unfused ops' arithmetic: graphs captured with FUSED_DECODE on and off replay the same steps

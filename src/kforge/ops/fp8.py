@@ -22,7 +22,7 @@ import torch
 from kforge.kernels.quant.fp8_gemm import (SCALE_BLOCK, check_fp8_gemm_inputs, check_fp8_gemm_operands,
                                            fp8_gemm_reference)
 from kforge.kernels.quant.fp8_gemv import MAX_BATCH as GEMV_MAX_ROWS
-from kforge.kernels.quant.fp8_gemv import check_fp8_gemv_operands, fp8_gemv_reference
+from kforge.kernels.quant.fp8_gemv import check_fp8_gemv_operands, check_fp8_residual, fp8_gemv_reference
 
 
 def ours_can_run(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
@@ -107,3 +107,31 @@ def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Ten
     not quantized (`kforge.kernels.quant.fp8_gemv`). One-line ValueError on bad dtypes or shapes."""
     check_fp8_gemv_operands(x, q, scale)
     return _fp8_gemv(x, q, scale)
+
+
+@torch.library.custom_op("kforge::fp8_gemv_residual", mutates_args=())
+def _fp8_gemv_residual(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    check_fp8_gemv_operands(x, q, scale)
+    check_fp8_residual((*x.shape[:-1], q.shape[0]), x, residual)
+    x = x.contiguous()
+    if not gemv_can_run(x, q, scale):
+        return residual + fp8_gemv_reference(x, q, scale)
+    from kforge.kernels.quant.fp8_gemv import launch_fp8_gemv
+
+    y = launch_fp8_gemv(x.view(-1, x.shape[-1]), q, scale, None, residual.view(-1, q.shape[0]))
+    return y.view(-1) if x.dim() == 1 else y
+
+
+@_fp8_gemv_residual.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    torch._check_value(residual.shape == (*x.shape[:-1], q.shape[0]),
+                       lambda: f"kforge::fp8_gemv_residual: residual {tuple(residual.shape)} is not y's shape")
+    return x.new_empty((*x.shape[:-1], q.shape[0]), dtype=torch.bfloat16)
+
+
+def fp8_gemv_residual(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + `fp8_gemv(x, q, scale)`, the add in the GEMV's store on the GPU (one launch less
+    a decode layer) and the pair's bits: the product rounded to bf16, then torch's bf16 add."""
+    check_fp8_gemv_operands(x, q, scale)
+    check_fp8_residual((*x.shape[:-1], q.shape[0]), x, residual)
+    return _fp8_gemv_residual(x, q, scale, residual)

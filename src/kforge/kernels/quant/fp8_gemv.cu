@@ -36,6 +36,9 @@
 //
 // The defaults (MT 1, KW 8, XPF 0, MINB 3: 74-80 registers on sm_90, no spills, 3 blocks of 8 warps
 // an SM) and the variant taken above 8 tokens are measured choices: fp8_gemv.py's `cuda_variant`.
+//
+// RESIDUAL 1 adds `residual` (M, N) bf16 in the store, as the unfused pair rounds it: the product
+// to bf16 first, then the add in fp32 (torch's bf16 add), rounded again; one launch less a layer.
 
 #ifndef MT
 #define MT 1  // 16-row m-tiles a warp
@@ -51,6 +54,9 @@
 #endif
 #ifndef XPF
 #define XPF 0  // 1: x loaded a chunk ahead with W (registers) instead of when the chunk is computed
+#endif
+#ifndef RESIDUAL
+#define RESIDUAL 0  // 1: y = residual + y, the residual add that follows the down projection in a decode step
 #endif
 
 #include "gemv_common.cuh"
@@ -167,7 +173,8 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[MT][NT][4], const Chu
 // Strides in the pointers' units: uint4 for q's and x's rows, fp32 for s's, u16 for y's.
 extern "C" __global__ void __launch_bounds__(KW * 32, MINB)
 fp8_gemv(const uint4* __restrict__ q, const float* __restrict__ s, const uint4* __restrict__ x,
-         u16* __restrict__ y, int n, int batch, int chunks, int q_row, int s_row, int x_row, int y_row) {
+         u16* __restrict__ y, const u16* __restrict__ residual, int n, int batch, int chunks, int q_row, int s_row,
+         int x_row, int y_row, int r_row) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
     const int first = blockIdx.x * 16 * MT;
     u32 rows[MT][2];
@@ -228,6 +235,12 @@ fp8_gemv(const uint4* __restrict__ q, const float* __restrict__ s, const uint4* 
                 if (row < n && token < batch) {
                     u16 rounded;
                     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(rounded) : "f"(sum));
+#if RESIDUAL
+                    const u16 r = residual[static_cast<size_t>(token) * r_row + row];
+                    const float total = __fadd_rn(__uint_as_float(static_cast<u32>(r) << 16),
+                                                  __uint_as_float(static_cast<u32>(rounded) << 16));
+                    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(rounded) : "f"(total));
+#endif
                     y[static_cast<size_t>(token) * y_row + row] = rounded;
                 }
             }

@@ -142,7 +142,7 @@ def launch_triton_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y:
 # --- the CUDA kernel -------------------------------------------------------------------------------
 
 CUDA_SOURCE = Path(__file__).with_name("fp8_gemv.cu")
-CUDA_KINDS = ("ptr",) * 4 + ("i32",) * 7
+CUDA_KINDS = ("ptr",) * 5 + ("i32",) * 8
 CUDA_SHARED_LIMIT = 48 * 1024  # the cross-warp sums are static shared memory
 _CUDA_KERNELS: dict[tuple, object] = {}
 _CUDA_PLANS: dict[tuple, tuple] = {}
@@ -183,21 +183,23 @@ def cuda_kernel_fits(x: torch.Tensor, q: torch.Tensor) -> bool:
 
 def launch_cuda_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, *,
                      m_tiles: int | None = None, k_warps: int | None = None, x_ahead: bool | None = None,
-                     min_blocks: int | None = None) -> None:
+                     min_blocks: int | None = None, residual: torch.Tensor | None = None) -> None:
     """y (M, N) on `fp8_gemv.cu` for operands that `cuda_kernel_fits`; the keywords pick its MT, KW,
-    XPF and MINB (default: `cuda_variant`), NT follows M. A plan per shape and strides keeps the lean
-    launch with its scalar arguments: a call passes the four pointers."""
-    key = (x.shape, q.shape[0], x.stride(0), q.stride(0), scale.stride(0), y.stride(0), x.device.index, m_tiles,
-           k_warps, x_ahead, min_blocks)
+    XPF and MINB (default: `cuda_variant`), NT follows M; `residual` (M, N) bf16 with contiguous rows
+    is added in the store (the RESIDUAL build). A plan per shape and strides keeps the lean launch
+    with its scalar arguments: a call passes the five pointers."""
+    r_row = None if residual is None else residual.stride(0)
+    key = (x.shape, q.shape[0], x.stride(0), q.stride(0), scale.stride(0), y.stride(0), r_row, x.device.index,
+           m_tiles, k_warps, x_ahead, min_blocks)
     plan = _CUDA_PLANS.get(key)
     if plan is None:
-        plan = _CUDA_PLANS[key] = _cuda_plan(x, q, scale, y, m_tiles, k_warps, x_ahead, min_blocks)
+        plan = _CUDA_PLANS[key] = _cuda_plan(x, q, scale, y, m_tiles, k_warps, x_ahead, min_blocks, r_row)
     launch, index, scalars = plan
     launch(torch._C._cuda_getCurrentRawStream(index), q.data_ptr(), scale.data_ptr(), x.data_ptr(), y.data_ptr(),
-           *scalars)
+           0 if residual is None else residual.data_ptr(), *scalars)
 
 
-def _cuda_plan(x, q, scale, y, m_tiles, k_warps, x_ahead, min_blocks) -> tuple:
+def _cuda_plan(x, q, scale, y, m_tiles, k_warps, x_ahead, min_blocks, r_row) -> tuple:
     """(lean launch, device index, the scalar arguments) of `fp8_gemv.cu` for one shape."""
     batch, k = x.shape
     n = q.shape[0]
@@ -212,17 +214,18 @@ def _cuda_plan(x, q, scale, y, m_tiles, k_warps, x_ahead, min_blocks) -> tuple:
     if shared > CUDA_SHARED_LIMIT:
         raise ValueError(f"fp8_gemv.cu with MT={m_tiles}, NT={n_tiles}, KW={k_warps} needs {shared} bytes of shared "
                          f"memory, over {CUDA_SHARED_LIMIT}")
-    variant = (m_tiles, n_tiles, k_warps, x_ahead, min_blocks)
+    variant = (m_tiles, n_tiles, k_warps, x_ahead, min_blocks, r_row is not None)
     kernel = _CUDA_KERNELS.get(variant)
     if kernel is None:
         from kforge.runtime.cuda import CudaKernel
 
         kernel = _CUDA_KERNELS[variant] = CudaKernel.from_file(
-            CUDA_SOURCE, "fp8_gemv",
-            defines={"MT": m_tiles, "NT": n_tiles, "KW": k_warps, "XPF": int(x_ahead), "MINB": min_blocks})
+            CUDA_SOURCE, "fp8_gemv", defines={"MT": m_tiles, "NT": n_tiles, "KW": k_warps, "XPF": int(x_ahead),
+                                              "MINB": min_blocks, "RESIDUAL": int(r_row is not None)})
     index = x.device.index
     launch = kernel.lean(triton.cdiv(n, 16 * m_tiles), 32 * k_warps, index, kinds=CUDA_KINDS)
-    scalars = (n, batch, k // SCALE_BLOCK, q.stride(0) // 16, scale.stride(0), x.stride(0) // 8, y.stride(0))
+    scalars = (n, batch, k // SCALE_BLOCK, q.stride(0) // 16, scale.stride(0), x.stride(0) // 8, y.stride(0),
+               r_row or 0)
     return launch, index, scalars
 
 
@@ -267,32 +270,50 @@ def check_fp8_gemv_inputs(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor)
         raise ValueError(f"q has {q.numel()} codes: the kernels' offsets are 32-bit")
 
 
-def launch_fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, config: dict | None) -> torch.Tensor:
-    """y (M, N) bf16 for checked 2-D x. `config` None: the CUDA kernel where it fits
-    (`cuda_kernel_fits`), else the Triton kernel (the interpreter's tile off the GPU); a config
-    (BLOCK_N, BLOCK_K, num_warps) runs the Triton kernel with that tile."""
+def launch_fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, config: dict | None,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y (M, N) bf16 for checked 2-D x (and `residual`, `check_fp8_residual`: then residual + y, the
+    add in the CUDA kernel's store, after the Triton kernel otherwise; the same bits). `config`
+    None: the CUDA kernel where it fits (`cuda_kernel_fits`), else the Triton kernel (the
+    interpreter's tile off the GPU); a config (BLOCK_N, BLOCK_K, num_warps) runs the Triton kernel
+    with that tile."""
     batch = x.shape[0]
     y = torch.empty((batch, q.shape[0]), dtype=torch.bfloat16, device=x.device)
     if y.numel() == 0:
         return y
     if config is None and cuda_kernel_fits(x, q):
-        launch_cuda_gemv(x, q, scale, y)
+        launch_cuda_gemv(x, q, scale, y, residual=residual)
         return y
     from kforge.runtime.interpreter import interpreter_active
 
     launch_triton_gemv(x, q, scale, y, triton_tile(batch, config, interpreter_active()))
-    return y
+    return y if residual is None else residual + y
 
 
-def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
+def check_fp8_residual(y_shape: tuple[int, ...], x: torch.Tensor, residual: torch.Tensor) -> None:
+    """Raise ValueError, in one line, unless `residual` can be added to a GEMV's y of `y_shape`:
+    that shape, bf16, x's device, contiguous rows."""
+    if not isinstance(residual, torch.Tensor) or residual.dtype != torch.bfloat16 or tuple(residual.shape) != y_shape:
+        raise ValueError(f"residual must be a torch.bfloat16 tensor of y's shape {y_shape}, got {_describe(residual)}")
+    if residual.device != x.device or residual.stride(-1) != 1:
+        raise ValueError(f"residual must be on {x.device} with contiguous rows, got {residual.device}, strides "
+                         f"{residual.stride()}")
+
+
+def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, config: dict | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
     """x @ (q * scale).T for x (K,) or (M <= 16, K) bf16, q (N, K) e4m3 codes and scale
-    (ceil(N/128), K/128) fp32 (128 x 128 blocks); fp32 sums, y (N,) or (M, N) bf16.
+    (ceil(N/128), K/128) fp32 (128 x 128 blocks); fp32 sums, y (N,) or (M, N) bf16; with
+    `residual` (y's shape, bf16), residual + y with the unfused pair's bits.
 
     On a GPU the CUDA kernel runs where it fits, else the Triton one; `config` (BLOCK_N, BLOCK_K,
     num_warps) runs the Triton kernel with that tile (the CPU tests pick the interpreter's).
     """
     check_fp8_gemv_inputs(x, q, scale)
-    y = launch_fp8_gemv(x.view(1, -1) if x.dim() == 1 else x, q, scale, config)
+    if residual is not None:
+        check_fp8_residual((*x.shape[:-1], q.shape[0]), x, residual)
+        residual = residual.view(1, -1) if x.dim() == 1 else residual
+    y = launch_fp8_gemv(x.view(1, -1) if x.dim() == 1 else x, q, scale, config, residual)
     return y.view(-1) if x.dim() == 1 else y
 
 
