@@ -18,8 +18,8 @@ the GEMV stores swiglu(gate, up) and h + y itself (`linear_swiglu`, `linear_resi
 launches a layer fewer, the same bits) for unquantized weights, and the FP8 GEMV h + y; one
 kernel rotates q and k and appends k and v (`rope_paged_kv_append`) in every format; weights
 quantized at load time (quantize.py) take `w4a16_matmul` or `fp8_gemv` instead, dequantized
-onto the bf16 GEMM above their row limits (and a quantized wqkv an unfused rms_norm first). On a CPU every op runs its PyTorch reference, so
-the CPU tests run this very code. Logits are computed only for the rows that yield a token
+onto the bf16 GEMM above their row limits (and a quantized wqkv an unfused rms_norm first).
+On a CPU every op runs its PyTorch reference, so the CPU tests run this very code. Logits are computed only for the rows that yield a token
 (a decode, or the last row of a prompt), in fp32.
 
 A continued chunk attends to its sequence's earlier tokens through the cache: its K and V,
