@@ -340,6 +340,51 @@ def test_the_one_token_cuda_kernel_compiles_for_sm90_as_designed():
     assert sum(loop.values()) <= 3.6 * 32 * rows, f"{sum(loop.values()) / (32 * rows):.2f} instructions a weight"
 
 
+def test_the_residual_build_adds_in_the_store_and_keeps_the_loop():
+    """RESIDUAL 1: a loop of the same length and work (ptxas schedules it a little differently and
+    picks other integer adds for the addressing), and each stored row one 16-bit load, one add
+    and one more rounding."""
+    from collections import Counter
+
+    from kforge.runtime.cuda import compile_cuda, loop_opcodes, resources, sass
+
+    rows, warps = w4a16.cuda_variant(4096)
+    plain, fused = (compile_cuda(w4a16.CUDA_SOURCE, arch="sm_90a", defines={"ROWS": rows, "WARPS": warps, **extra})
+                    for extra in ({}, {"RESIDUAL": 1}))
+    fused_loop, plain_loop = loop_opcodes(sass(fused)), loop_opcodes(sass(plain))
+    assert len(fused_loop) == len(plain_loop)
+    work = ("LDG", "FFMA", "LOP3", "FADD", "FMUL", "SHFL")
+    assert Counter(op for op in fused_loop if op.startswith(work)) == Counter(op for op in plain_loop
+                                                                              if op.startswith(work))
+    used = resources(fused)["w4a16_gemv"]
+    assert (used.spill_stores, used.spill_loads, used.stack_bytes) == (0, 0, 0), used
+
+    def ops(cubin):
+        return Counter(line.split("*/", 1)[1].split()[0] for line in sass(cubin).splitlines()
+                       if line.strip().startswith("/*") and "*/" in line and line.split("*/", 1)[1].split())
+
+    more = ops(fused) - ops(plain)
+    assert more["LDG.E.U16.CONSTANT"] == 1 and more["FADD"] == 1 and more["F2F.BF16.F32"] == 1, more
+
+
+def test_the_residual_op_gives_the_pairs_bits_and_the_model_takes_it(monkeypatch):
+    from kforge import ops
+    from kforge.models.llama import model
+    from kforge.models.llama.quantize import Int4Weight
+
+    x, qweight, scales = _inputs(3, 96, 256, 128)
+    residual = torch.randn(3, 96).bfloat16()
+    pair = residual + w4a16_op(x, qweight, scales, 128)
+    assert torch.equal(ops.w4a16_matmul_residual(x, qweight, scales, residual, 128), pair)
+    assert torch.equal(ops.w4a16_matmul_residual(x[0], qweight, scales, residual[0], 128), pair[0])
+    weight = Int4Weight(qweight, scales, 128)
+    assert torch.equal(model.linear_residual(x, weight, residual), residual + model.linear(x, weight))
+    with pytest.raises(ValueError, match="residual must be a torch.bfloat16 tensor of y's shape"):
+        ops.w4a16_matmul_residual(x, qweight, scales, residual[:, :95], 128)
+    torch.library.opcheck(torch.ops.kforge.w4a16_matmul_residual.default, (x, qweight, scales, residual, 128),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
 @pytest.mark.parametrize("rows, per_weight", [(2, 2.9), (4, 2.7)])
 @pytest.mark.slow
 def test_the_bulk_fed_kernel_compiles_for_sm90_as_designed(rows, per_weight):
@@ -472,6 +517,20 @@ def test_one_token_takes_the_bulk_fed_kernel_where_it_is_faster(monkeypatch, nan
         x, qweight, scales = _inputs(1, n, k, group, "cuda", seed=n + k)
         assert_matches(w4a16_matmul(x, qweight, scales, group), x, qweight, scales, group)
         assert len(bulk_calls) - before == int(bulk), (n, k, group)
+
+
+@pytest.mark.gpu
+def test_the_residual_build_gives_the_pairs_bits(nan_outputs):
+    """One token: RESIDUAL 1 against the plain build and torch's bf16 add, bit for bit, at odd N,
+    both groups, and on the bulk-fed path (which adds after); several tokens add after."""
+    from kforge import ops
+
+    for m, n, k, group in ((1, 300, 1024, 128), (1, 4096, 14336, 128), (1, 14336, 4096, 128), (1, 777, 512, 64),
+                           (3, 300, 1024, 128)):
+        x, qweight, scales = _inputs(m, n, k, group, "cuda", seed=n)
+        residual = torch.randn(m, n, device="cuda").bfloat16()
+        pair = residual + w4a16_op(x, qweight, scales, group)
+        assert torch.equal(ops.w4a16_matmul_residual(x, qweight, scales, residual, group), pair), (m, n, k, group)
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ from kforge.ops.rope_append import rope_paged_kv_append
 from kforge.ops.speculative import chain_speculative_sampling, tree_verify
 from kforge.ops.swiglu import swiglu
 from kforge.ops.varlen_attention import flash_attention_varlen
-from kforge.ops.w4a16 import w4a16_matmul
+from kforge.ops.w4a16 import w4a16_matmul, w4a16_matmul_residual
 
 __all__ = ["PagedKVCache", "chain_speculative_sampling", "dequantize_fp8", "dequantize_int4", "dequantize_mxfp4",
            "dequantize_nvfp4", "flash_attention", "flash_attention_varlen", "fp8_gemm", "fp8_gemv", "fp8_gemv_residual",
@@ -25,4 +25,4 @@ __all__ = ["PagedKVCache", "chain_speculative_sampling", "dequantize_fp8", "dequ
            "grouped_gemm_contiguous", "grouped_gemm_masked", "layer_norm", "matmul", "mla_decode", "moe_combine",
            "moe_dispatch", "moe_gate", "nvfp4_batched_gemv", "paged_decode_attention", "paged_kv_append",
            "quantize_fp8", "quantize_int4", "quantize_mxfp4", "quantize_nvfp4", "rms_norm", "rms_norm_qkv", "rope_",
-           "rope_paged_kv_append", "swiglu", "tree_verify", "w4a16_matmul"]
+           "rope_paged_kv_append", "swiglu", "tree_verify", "w4a16_matmul", "w4a16_matmul_residual"]

@@ -66,3 +66,35 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, g
 def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int = 128) -> torch.Tensor:
     _check_shapes(x, qweight, scales, group, torch._check_value)  # symbolic shapes: a check, not a guard
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+def _check_residual(x: torch.Tensor, qweight: torch.Tensor, residual: torch.Tensor, check=require) -> None:
+    want = (*x.shape[:-1], qweight.shape[0])
+    check(tuple(residual.shape) == want and residual.dtype == torch.bfloat16 and residual.device == x.device,
+          lambda: f"residual must be a torch.bfloat16 tensor of y's shape {want} on {x.device}, got "
+                  f"{residual.dtype} {tuple(residual.shape)} on {residual.device}")
+
+
+@torch.library.custom_op("kforge::w4a16_matmul_residual", mutates_args=())
+def w4a16_matmul_residual(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor,
+                          group: int = 128) -> torch.Tensor:
+    """residual + `w4a16_matmul(x, qweight, scales, group)`, the unfused pair's bits (the product
+    rounded to bf16, then torch's bf16 add); for one token on the GPU the add is in the GEMV's
+    store (`w4a16_gemv.cu` built RESIDUAL), one launch less a decode layer."""
+    _check_shapes(x, qweight, scales, group)
+    _check_residual(x, qweight, residual)
+    x, scales = x.contiguous(), scales.contiguous()
+    if not ours_can_run(x, qweight, scales, group):
+        return residual + w4a16_reference(x, qweight, scales, group)
+    from kforge.kernels.quant.w4a16 import launch_w4a16
+
+    y = launch_w4a16(x.view(-1, x.shape[-1]), qweight, scales, group, None, residual.view(-1, qweight.shape[0]))
+    return y.view(-1) if x.dim() == 1 else y
+
+
+@w4a16_matmul_residual.register_fake
+def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor,
+      group: int = 128) -> torch.Tensor:
+    _check_shapes(x, qweight, scales, group, torch._check_value)
+    _check_residual(x, qweight, residual, torch._check_value)
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))

@@ -386,7 +386,7 @@ def _choose_config(batch: int, group: int, on_gpu: bool) -> dict | None:
 
 
 CUDA_SOURCE = Path(__file__).with_name("w4a16_gemv.cu")
-CUDA_KINDS = ("ptr",) * 4 + ("i32",) * 4
+CUDA_KINDS = ("ptr",) * 5 + ("i32",) * 4
 _CUDA_LAUNCHES: dict[tuple, object] = {}
 
 
@@ -405,26 +405,28 @@ def cuda_kernel_fits(x: torch.Tensor, qweight: torch.Tensor, group: int) -> bool
 
 
 def launch_cuda_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int, y: torch.Tensor, *,
-                     rows: int | None = None, warps: int | None = None) -> None:
+                     rows: int | None = None, warps: int | None = None, residual: torch.Tensor | None = None) -> None:
     """y (1, N) on `w4a16_gemv.cu` for operands that `cuda_kernel_fits`, through a kept lean launch
-    per shape; `rows` and `warps` pick the kernel's ROWS and WARPS (default: `cuda_variant`)."""
+    per shape; `rows` and `warps` pick the kernel's ROWS and WARPS (default: `cuda_variant`);
+    `residual` (1, N) bf16 with a contiguous row is added in the store (the RESIDUAL build)."""
     n, k = qweight.shape[0], x.shape[1]
     default_rows, default_warps = cuda_variant(n)
     rows, warps = rows or default_rows, warps or default_warps
-    index = x.device.index
-    key = (rows, warps, group, n, index)
+    index, fused = x.device.index, residual is not None
+    key = (rows, warps, group, n, index, fused)
     launch = _CUDA_LAUNCHES.get(key)
     if launch is None:
         from kforge.runtime.cuda import CudaKernel
 
-        variant = (rows, warps, group)
+        variant = (rows, warps, group, fused)
         kernel = _CUDA_LAUNCHES.get(variant)
         if kernel is None:
             kernel = _CUDA_LAUNCHES[variant] = CudaKernel.from_file(
-                CUDA_SOURCE, "w4a16_gemv", defines={"ROWS": rows, "WARPS": warps, "GROUP_UNITS": group // 32})
+                CUDA_SOURCE, "w4a16_gemv",
+                defines={"ROWS": rows, "WARPS": warps, "GROUP_UNITS": group // 32, "RESIDUAL": int(fused)})
         launch = _CUDA_LAUNCHES[key] = kernel.lean(triton.cdiv(n, rows * warps), 32 * warps, index, kinds=CUDA_KINDS)
     launch(torch._C._cuda_getCurrentRawStream(index), qweight.data_ptr(), scales.data_ptr(), x.data_ptr(),
-           y.data_ptr(), n, k // 32, qweight.stride(0) // 16, scales.stride(0))
+           y.data_ptr(), residual.data_ptr() if fused else 0, n, k // 32, qweight.stride(0) // 16, scales.stride(0))
 
 
 BULK_SOURCE = Path(__file__).with_name("w4a16_gemv_bulk.cu")
@@ -585,10 +587,19 @@ def _mma_plan(x, qweight, scales, group, y, m_tiles, k_warps, x_ahead) -> tuple:
 
 
 def launch_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int,
-                 config: dict | None) -> torch.Tensor:
-    """y (M, N) bf16 for checked 2-D x; `config` None picks the path and tile (see _choose_config)."""
+                 config: dict | None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y (M, N) bf16 for checked 2-D x; `config` None picks the path and tile (see _choose_config).
+    With `residual` (M, N) bf16, contiguous: residual + y, in `w4a16_gemv.cu`'s store where that
+    kernel runs (one token), after the others; the same bits either way."""
     batch, k = x.shape
     n = qweight.shape[0]
+    if residual is not None:
+        if config is None and n and k and cuda_kernel_fits(x, qweight, group) and not (
+                bulk_is_faster(n, k) and _bulk_operands_fit(x, qweight, scales, group)):
+            y = torch.empty((batch, n), dtype=torch.bfloat16, device=x.device)
+            launch_cuda_gemv(x, qweight, scales, group, y, residual=residual.contiguous())
+            return y
+        return residual + launch_w4a16(x, qweight, scales, group, config)
     y = torch.empty((batch, n), dtype=torch.bfloat16, device=x.device)
     if y.numel() == 0:
         return y

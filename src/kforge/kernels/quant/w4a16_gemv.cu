@@ -18,6 +18,9 @@
 // from 4096 x 4096 to 28672 x 4096, 80-83% of a read-only stream of the same bytes, 2.2-3.0x
 // cuBLAS's bf16 GEMV. ROWS = 2 (N <= 4096) or 4, WARPS = 4. ncu at 28672 x 4096: 111
 // registers, 21% occupancy, under one eligible warp a scheduler: latency-bound.
+//
+// RESIDUAL 1 adds `residual` (N) bf16 in the store, as the unfused pair rounds it: the product to
+// bf16 first, then the add in fp32 (torch's bf16 add), rounded again; one launch less a layer.
 
 #ifndef ROWS
 #define ROWS 4  // rows of W a warp
@@ -27,6 +30,9 @@
 #endif
 #ifndef GROUP_UNITS
 #define GROUP_UNITS 4  // 16-byte loads (32 weights) a group: 4 for group 128
+#endif
+#ifndef RESIDUAL
+#define RESIDUAL 0  // 1: y = residual + y, the residual add after the down projection
 #endif
 
 #include "w4a16_decode.cuh"
@@ -52,7 +58,7 @@ __device__ __forceinline__ void load_step(Step& step, const uint4* const* rows, 
 // Strides in the pointers' units: uint4 for W's rows, u16 for the scales' rows.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 w4a16_gemv(const uint4* __restrict__ q, const u16* __restrict__ s, const uint4* __restrict__ x,
-           u16* __restrict__ y, int n, int units, int q_row, int s_row) {
+           u16* __restrict__ y, const u16* __restrict__ residual, int n, int units, int q_row, int s_row) {
     const int lane = threadIdx.x % 32, first = (blockIdx.x * WARPS + threadIdx.x / 32) * ROWS;
     if (first >= n) return;  // the whole warp
     const uint4* rows[ROWS];
@@ -98,6 +104,11 @@ w4a16_gemv(const uint4* __restrict__ q, const u16* __restrict__ s, const uint4* 
     if (warp_row_sums<ROWS>(acc, &sum) && first + lane < n) {
         u16 rounded;
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(rounded) : "f"(sum * Y_UNIT));
+#if RESIDUAL
+        const float total = __fadd_rn(__uint_as_float(static_cast<u32>(residual[first + lane]) << 16),
+                                      __uint_as_float(static_cast<u32>(rounded) << 16));
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(rounded) : "f"(total));
+#endif
         y[first + lane] = rounded;
     }
 }

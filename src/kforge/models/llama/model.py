@@ -13,14 +13,15 @@ each), then prompt chunks. Per layer, on `kforge.ops`:
     x, h   = rms_norm(a @ wo, ffn_norm, residual=h)     the residual add fused into the norm
     h      = h + swiglu(x @ w_gate_up) @ w_down        gate and up in one GEMM
 
-Linear layers of up to 16 rows run kforge's decode GEMV, larger ones kforge's GEMM; at decode
-the GEMV stores swiglu(gate, up) and h + y itself (`linear_swiglu`, `linear_residual`: two
-launches a layer fewer, the same bits) for unquantized weights, and the FP8 GEMV h + y; one
-kernel rotates q and k and appends k and v (`rope_paged_kv_append`) in every format; weights
-quantized at load time (quantize.py) take `w4a16_matmul` or `fp8_gemv` instead, dequantized
-onto the bf16 GEMM above their row limits (and a quantized wqkv an unfused rms_norm first).
-On a CPU every op runs its PyTorch reference, so the CPU tests run this very code. Logits are computed only for the rows that yield a token
-(a decode, or the last row of a prompt), in fp32.
+Linear layers of up to 16 rows run kforge's decode GEMV, larger ones kforge's GEMM; at
+decode the GEMV stores swiglu(gate, up) and h + y itself (`linear_swiglu`,
+`linear_residual`: two launches a layer fewer, the same bits) for unquantized weights, the
+FP8 and W4A16 GEMVs h + y; one kernel rotates q and k and appends k and v
+(`rope_paged_kv_append`) in every format; weights quantized at load time (quantize.py) take
+`w4a16_matmul` or `fp8_gemv` instead, dequantized onto the bf16 GEMM above their row limits
+(and a quantized wqkv an unfused rms_norm first). On a CPU every op runs its PyTorch
+reference, so the CPU tests run this very code. Logits are computed only for the rows that
+yield a token (a decode, or the last row of a prompt), in fp32.
 
 A continued chunk attends to its sequence's earlier tokens through the cache: its K and V,
 appended first, are gathered from the pages with the prefix's, and the varlen kernel runs
@@ -92,11 +93,14 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight,
                     residual: torch.Tensor) -> torch.Tensor:
-    """residual + x @ weight.T: for a plain or FP8 weight at decode, the add in the GEMV's store."""
+    """residual + x @ weight.T: at decode, the add in the GEMV's store (plain weights; FP8; INT4 at
+    one token), the unfused pair's bits."""
     if FUSED_DECODE and isinstance(weight, torch.Tensor) and x.shape[0] <= GEMV_MAX_ROWS:
         return ops.gemv_residual(x, weight, residual)
     if FUSED_DECODE and isinstance(weight, Fp8Weight) and x.shape[0] <= FP8_GEMV_MAX_ROWS:
         return ops.fp8_gemv_residual(x, weight.q, weight.scale, residual)
+    if FUSED_DECODE and isinstance(weight, Int4Weight) and x.shape[0] <= W4A16_MAX_ROWS:
+        return ops.w4a16_matmul_residual(x, weight.qweight, weight.scales, residual, weight.group)
     return residual + linear(x, weight)
 
 
