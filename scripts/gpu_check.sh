@@ -24,7 +24,8 @@
 #   models   (the Llama engine's GPU tests: 1B against transformers, decode graphs, bottom-right varlen; a generate)
 #   bench-model   (kforge bench model on llama3-8b: decode, batch, trace, prefill; BENCH_MODEL_SECONDS, default 360)
 #   decode-profile   (scripts/decode_profile.py: one graphed llama3-8b decode step kernel by kernel, in bf16, W4A16, FP8)
-#   decode-fused   (the decode fusions' GPU tests: GEMV epilogues, RoPE + append, one-launch decode attention, the
+#   decode-fused   (the decode fusions' GPU tests: GEMV epilogues (bf16; FP8, W4A16 residual), RoPE + append,
+#                   one-launch decode attention, the
 #                   engine's graphs; then decode_profile.py fused and --unfused, alternating, twice, in DECODE_WEIGHTS,
 #                   default bf16; a quantized format also runs with --quantize-head)
 #   judge-tails   (scripts/judge_tails.py: the judge's raw clocks, the synchronize's tail past each call's stream)
@@ -308,7 +309,8 @@ if [[ $parts == *" decode-profile "* ]]; then
 fi
 if [[ $parts == *" decode-fused "* ]]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_gemv.py tests/kernels/test_rope_append.py \
-    tests/kernels/test_paged_attention.py tests/models/test_decode_graphs.py tests/models/test_llama_gpu.py 2>&1 \
+    tests/kernels/test_paged_attention.py tests/models/test_decode_graphs.py tests/models/test_llama_gpu.py \
+    tests/kernels/test_fp8_gemv.py tests/kernels/test_w4a16.py 2>&1 \
     | tee "$out/pytest-decode-fused-gpu.txt" | tail -30
   for weights in ${DECODE_WEIGHTS:-bf16}; do
     for run in 1 2; do
