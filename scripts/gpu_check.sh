@@ -25,9 +25,9 @@
 #   bench-model   (kforge bench model on llama3-8b: decode, batch, trace, prefill; BENCH_MODEL_SECONDS, default 360)
 #   decode-profile   (scripts/decode_profile.py: one graphed llama3-8b decode step kernel by kernel, in bf16, W4A16, FP8)
 #   decode-fused   (the decode fusions' GPU tests: GEMV epilogues (bf16; FP8, W4A16 residual), RoPE + append,
-#                   one-launch decode attention, the
-#                   engine's graphs; then decode_profile.py fused and --unfused, alternating, twice, in DECODE_WEIGHTS,
-#                   default bf16; a quantized format also runs with --quantize-head)
+#                   one-launch decode attention, the engine's graphs; then decode_profile.py fused and --unfused,
+#                   alternating, twice, in DECODE_WEIGHTS, default bf16; a quantized format also runs with
+#                   --quantize-head)
 #   judge-tails   (scripts/judge_tails.py: the judge's raw clocks, the synchronize's tail past each call's stream)
 #   decode-sweep   (scripts/paged_decode_sweep.py: batch-1 decode attention's partitions and reduces as a step runs
 #                   them, 32 calls in a graph)
