@@ -593,23 +593,21 @@ def launch_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, g
     kernel runs (one token), after the others; the same bits either way."""
     batch, k = x.shape
     n = qweight.shape[0]
-    if residual is not None:
-        if config is None and n and k and cuda_kernel_fits(x, qweight, group) and not (
-                bulk_is_faster(n, k) and _bulk_operands_fit(x, qweight, scales, group)):
-            y = torch.empty((batch, n), dtype=torch.bfloat16, device=x.device)
-            launch_cuda_gemv(x, qweight, scales, group, y, residual=residual.contiguous())
-            return y
+    one_token = None
+    if config is None and n and k and cuda_kernel_fits(x, qweight, group):
+        one_token = "bulk" if bulk_is_faster(n, k) and _bulk_operands_fit(x, qweight, scales, group) else "gemv"
+    if residual is not None and one_token != "gemv":
         return residual + launch_w4a16(x, qweight, scales, group, config)
     y = torch.empty((batch, n), dtype=torch.bfloat16, device=x.device)
     if y.numel() == 0:
         return y
     if k == 0:
         return y.zero_()
-    if config is None and cuda_kernel_fits(x, qweight, group):
-        if bulk_is_faster(n, k) and _bulk_operands_fit(x, qweight, scales, group):
-            launch_bulk_gemv(x, qweight, scales, y)
-        else:
-            launch_cuda_gemv(x, qweight, scales, group, y)
+    if one_token == "bulk":
+        launch_bulk_gemv(x, qweight, scales, y)
+        return y
+    if one_token == "gemv":
+        launch_cuda_gemv(x, qweight, scales, group, y, residual=None if residual is None else residual.contiguous())
         return y
     if config is None and cuda_mma_fits(x, qweight, group):
         launch_cuda_mma(x, qweight, scales, group, y)
