@@ -2,12 +2,11 @@
 stream finishes, and waits in place for that kernel's results.
 
 Why: a Llama-3-8B decode step at batch 1 is ~330 kernels of 1-60 us (scripts/decode_profile.py),
-and each starts cold: its blocks are scheduled once the kernel before has drained, and its first
-weight bytes arrive a DRAM round trip after that. The weights do not depend on the kernel before;
-only the activations do. On Hopper (sm_90+) a kernel launched with the programmatic-stream-
-serialization attribute may begin once every block of the kernel before it has run
-`griddepcontrol.launch_dependents` (or exited): its blocks are resident and its first weight bytes
-on their way to L2 while that kernel's last blocks run.
+and each starts cold: its blocks are scheduled once the kernel before has completed, and its
+first weight bytes arrive a DRAM round trip after that. The weights do not depend on the kernel
+before; only the activations do. On Hopper (sm_90+) a kernel launched with the programmatic-
+stream-serialization attribute may begin once every block of the kernel before it has run
+`griddepcontrol.launch_dependents` or exited, before that kernel's completion is settled.
 
 The contract every kernel built for PDL keeps (`kernels/hopper/pdl.cuh` for CUDA, `gdc_wait` in
 the Triton kernels):
@@ -16,8 +15,10 @@ the Triton kernels):
 2. it waits, in every thread that reads or writes step data. The wait returns once the kernel
    before it has completed with its writes visible, which, each kernel having waited for the one
    before, covers every earlier kernel;
-3. after the wait it lets its dependents launch, so waiting kernels do not pile up ahead of the
-   running one.
+3. it never runs `launch_dependents`: the next kernel launches as this one's blocks exit. Run
+   right after the wait, the signal let the next kernel's blocks sit resident through this
+   one's main loop and its prefetch compete with this one's stream: the bf16 step lost 0.16 ms
+   (H200, docs/worklogs/models.md).
 A launcher attaches the attribute only to the build that keeps the contract (`enabled` chooses
 both). A kernel launched without it, torch's or ours outside `chained`, is serialized as usual,
 and a PDL kernel after it waits for it like for any other.

@@ -1,9 +1,10 @@
 // Programmatic dependent launch (kforge/runtime/pdl.py): what a kernel built with PDL=1 runs.
-// Under PDL the kernel may start while the kernel before it in the stream is still running, so:
+// Under PDL the kernel may start while the kernel before it in the stream is finishing, so:
 // before pdl_wait it may only prefetch its own weights (read-only for the whole step), and it
 // reads or writes nothing else; pdl_wait returns once the kernels before it have completed and
-// their writes are visible; pdl_launch_dependents, after the wait, lets the next kernel's blocks
-// start (and prefetch) while this one runs. In a build without PDL all three are empty.
+// their writes are visible. No kernel signals its dependents early (griddepcontrol.
+// launch_dependents): the next one launches as this one's blocks exit (runtime/pdl.py says why).
+// In a build without PDL these are empty.
 #pragma once
 
 #ifndef PDL
@@ -17,12 +18,6 @@
 __device__ __forceinline__ void pdl_wait() {
 #if PDL_ON
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if PDL_ON
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 

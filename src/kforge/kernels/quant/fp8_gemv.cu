@@ -38,7 +38,7 @@
 // an SM) and the variant taken above 8 tokens are measured choices: fp8_gemv.py's `cuda_variant`.
 //
 // PDL 1 (kforge/runtime/pdl.py): the block's rows (their first PREFETCH_BYTES) and scales into L2,
-// then the wait for the kernel before (which wrote x), then the next kernel may launch.
+// then the wait for the kernel before (which wrote x).
 //
 // RESIDUAL 1 adds `residual` (M, N) bf16 in the store, as the unfused pair rounds it: the product
 // to bf16 first, then the add in fp32 (torch's bf16 add), rounded again; one launch less a layer.
@@ -199,7 +199,6 @@ fp8_gemv(const uint4* __restrict__ q, const float* __restrict__ s, const uint4* 
         if (threadIdx.x < chunks / 32) pdl_prefetch_line(s + scale_row + 32 * threadIdx.x);
     }
     pdl_wait();
-    pdl_launch_dependents();
 
     float acc[MT][NT][4];
 #pragma unroll

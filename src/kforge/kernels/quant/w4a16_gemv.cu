@@ -23,7 +23,7 @@
 // bf16 first, then the add in fp32 (torch's bf16 add), rounded again; one launch less a layer.
 //
 // PDL 1 (kforge/runtime/pdl.py): the warp's rows (their first PREFETCH_BYTES) and their scales into
-// L2, then the wait for the kernel before (which wrote x), then the next kernel may launch.
+// L2, then the wait for the kernel before (which wrote x).
 
 #ifndef ROWS
 #define ROWS 4  // rows of W a warp
@@ -81,7 +81,6 @@ w4a16_gemv(const uint4* __restrict__ q, const u16* __restrict__ s, const uint4* 
         }
     }
     pdl_wait();
-    pdl_launch_dependents();
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;

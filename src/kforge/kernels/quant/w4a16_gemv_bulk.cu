@@ -39,7 +39,7 @@
 //
 // PDL 1 (kforge/runtime/pdl.py): the producer reads only W and its scales, which no kernel of the
 // step writes, so it starts its copies at once; the consumers wait for the kernel before (which
-// wrote x) before they read x or write y, then let the next kernel launch.
+// wrote x) before they read x or write y.
 
 #include "../gemm_bf16/hopper.cuh"
 #include "../hopper/pdl.cuh"
@@ -107,7 +107,6 @@ w4a16_gemv_bulk(const unsigned char* __restrict__ q, const unsigned char* __rest
     // Consumers. x, prescaled, once (while the first stages are on their way): X_BATCH units a thread
     // at a time, all their loads issued before any is used (one memory latency a batch, not one a unit).
     pdl_wait();
-    pdl_launch_dependents();
     constexpr int X_BATCH = 4;
     for (int first = threadIdx.x; first < units; first += X_BATCH * 32 * CONSUMERS) {
         uint4 loaded[X_BATCH][4];

@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from kforge.kernels.serving.swiglu import swiglu_reference
 from kforge.runtime import pdl
@@ -153,7 +153,6 @@ def gemv_kernel(x_ptr, w_ptr, y_ptr, gamma_ptr, residual_ptr, batch, n_out, k_in
                 PDL: tl.constexpr = False):
     if PDL:  # launched under PDL (kforge/runtime/pdl.py): x is the kernel before's output
         gdc_wait()
-        gdc_launch_dependents()
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_b = tl.arange(0, BLOCK_B)
     w_rows = tl.minimum(offs_n, n_out - 1)  # past the end: re-read the last row, never store it

@@ -22,7 +22,7 @@
 // arithmetic: kernels/serving/swiglu.py, the add in fp32), so a fused step gives the same bits.
 //
 // PDL 1 (kforge/runtime/pdl.py): the warp's first PREFETCH_BYTES of its row(s) into L2, then the
-// wait for the kernel before (which wrote x), then the next kernel may launch.
+// wait for the kernel before (which wrote x).
 
 #ifndef CHUNK
 #define CHUNK 4  // 16-byte loads per lane per step
@@ -134,7 +134,6 @@ gemv_bf16(const uint4* __restrict__ W, const uint4* __restrict__ x, unsigned sho
 #endif
     }
     pdl_wait();
-    pdl_launch_dependents();
     const float sum = warp_dot(w, x, K8, lane);
 #if EPILOGUE == EPI_SWIGLU
     const float up = warp_dot(w_up, x, K8, lane);

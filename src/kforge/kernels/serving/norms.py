@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from kforge.runtime import pdl
 
@@ -101,7 +101,6 @@ def norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, new_res_ptr, n_rows, hidd
                 BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, LOOPED: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # launched under PDL (kforge/runtime/pdl.py): x and the residual are earlier kernels' outputs
         gdc_wait()
-        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < n_rows
     rows = rows.to(tl.int64)

@@ -130,7 +130,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from kforge.kernels.serving.paged_kv import check_caches, check_table_values, check_tables
 from kforge.runtime import pdl
@@ -161,7 +161,6 @@ def paged_decode_partition_kernel(
         BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # launched under PDL (kforge/runtime/pdl.py): q, the cache and the lengths are earlier kernels' outputs
         gdc_wait()
-        gdc_launch_dependents()
     request = tl.program_id(0) // kv_heads
     kv_head = tl.program_id(0) % kv_heads
     partition = tl.program_id(1)
@@ -284,7 +283,6 @@ def paged_decode_reduce_kernel(part_max_ptr, part_sum_ptr, part_acc_ptr, context
                                PDL: tl.constexpr = False):
     if PDL:  # launched under PDL: the partials are the partition kernel's
         gdc_wait()
-        gdc_launch_dependents()
     row = tl.program_id(0)  # request * q_heads + query head
     length = tl.minimum(tl.load(context_lens_ptr + row // q_heads), max_tokens)
     written = tl.cdiv(length, partition_size)  # kernel 1 skipped the partitions past the length

@@ -74,7 +74,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from kforge.kernels.serving.paged_kv import check_append_inputs, check_table_values
 from kforge.kernels.serving.rope import (NUM_WARPS, _check_table, _rotate_heads, check_rope_inputs, cos_sin_row,
@@ -120,7 +120,6 @@ def rope_append_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, k_cache_ptr, v_c
                        PDL: tl.constexpr = False):
     if PDL:  # launched under PDL (kforge/runtime/pdl.py): q, k, v and the lengths are earlier kernels' outputs
         gdc_wait()
-        gdc_launch_dependents()
     token = tl.program_id(0)
     head_block = tl.program_id(1)
     request = (token // new_tokens).to(tl.int64)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from kforge.runtime import pdl
 
@@ -47,7 +47,6 @@ def swiglu_kernel(x_ptr, out_ptr, n_rows, hidden, x_stride,
                   BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     if PDL:  # launched under PDL (kforge/runtime/pdl.py): x is the kernel before's output
         gdc_wait()
-        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (rows < n_rows)[:, None] & (cols < hidden)[None, :]
