@@ -83,36 +83,13 @@ def test_cute_gemm_compiles_from_torch_tensors_as_it_does_on_the_gpu():
         cute_gemm.gemm(a[:, :260].contiguous(), b[:260])
 
 
-@pytest.mark.parametrize("tool", ["tilelang", "gluon", "cute", "cuda"])
+@pytest.mark.parametrize("tool", ["tilelang", "gluon", "cuda"])
 @pytest.mark.slow
 def test_softmax_levels_compile_to_16_byte_accesses_without_spills(tool):
     report = measure(compilable("softmax", tool), 128256)
     assert report.error is None and report.spills == 0
     assert report.sass["ldg128"] >= 2 and report.sass["stg128"] >= 1  # both passes' loads, pass 2's store
     assert report.sass["wgmma"] == 0
-
-
-def test_cute_softmax_fills_the_sm_with_32_registers_a_thread_where_cute_dsl_is_installed():
-    cute_level = compilable("softmax", "cute")
-    from kforge.kernels.abstraction import cute_softmax
-
-    report = measure(cute_level, 128256)
-    assert report.error is None and report.spills == 0
-    # the launch bounds: 4 CTAs of 512 threads (every thread an SM holds) fit its 64K registers
-    assert report.registers * cute_softmax.THREADS * cute_softmax.CTAS_PER_SM <= 65536
-
-
-def test_cute_softmax_compiles_from_torch_tensors_as_it_does_on_the_gpu():
-    compilable("softmax", "cute")
-    import cuda.bindings.driver as cuda
-
-    from kforge.kernels.abstraction import cute_softmax
-
-    # an odd row count, rows ending in a part of a CTA's sweep: the path `softmax` takes, short of the launch
-    x = torch.empty(37, 4104, dtype=torch.bfloat16)
-    assert callable(cute_softmax.compiled_for(x, torch.empty_like(x), cuda.CUstream(0), arch="sm_90a"))
-    with pytest.raises(ValueError, match="multiple of 8 columns"):
-        cute_softmax.softmax(x[:, :4100].contiguous())
 
 
 def test_a_compile_that_fails_is_one_line_in_the_report_not_an_exception():
@@ -298,32 +275,6 @@ def test_every_softmax_level_matches_torch_on_the_gpu(tool, shape):
         pytest.skip(this.missing())
     x = (2 * torch.randn(shape, device="cuda")).to(torch.bfloat16)
     torch.testing.assert_close(this.run(x).float(), torch.softmax(x.float(), dim=-1), rtol=1e-2, atol=1e-9)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(5, 4104), (7, 4088), (129, 8), (1, 128264)])
-def test_cute_softmax_matches_float32_on_odd_shapes_on_the_gpu(shape):
-    this = level("softmax", "cute")
-    if this.missing():
-        pytest.skip(this.missing())
-    # a sweep and one vector, less than a sweep, one vector a row, a long row ending in a partial sweep
-    x = (3 * torch.randn(shape, device="cuda")).to(torch.bfloat16)
-    for _ in range(2):  # the second call runs the kernel compiled for this shape by the first
-        torch.testing.assert_close(this.run(x).float(), torch.softmax(x.float(), dim=-1), rtol=1e-2, atol=1e-9)
-    rest = x[1:]  # a view from the second row on: contiguous, its rows still 16-byte aligned
-    torch.testing.assert_close(this.run(rest).float(), torch.softmax(rest.float(), dim=-1), rtol=1e-2, atol=1e-9)
-
-
-@pytest.mark.gpu
-def test_cute_softmax_rejects_what_its_16_byte_vectors_cannot_read_on_the_gpu():
-    this = level("softmax", "cute")
-    if this.missing():
-        pytest.skip(this.missing())
-    x = torch.zeros(4, 32, dtype=torch.bfloat16, device="cuda")
-    # fp32; 1-D; rows 64 bytes apart, not contiguous; 12 columns; rows 8 bytes off 16-byte alignment
-    for bad in (x.float(), x[0], x[:, :16], x[:, :12].contiguous(), x.flatten()[4:124].view(15, 8)):
-        with pytest.raises(ValueError, match=r"^cute_softmax: needs a contiguous, 16-byte aligned 2-D bf16 tensor"):
-            this.run(bad)
 
 
 @pytest.mark.gpu
