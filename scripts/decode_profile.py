@@ -1,7 +1,7 @@
 """Where one decode step of the Llama engine spends its time: every kernel of a graphed step, by position in the layer.
 
     python scripts/decode_profile.py [--model llama3-8b] [--weights bf16|w4a16|fp8] [--batch 1] [--prompt 512]
-                                     [--unfused] [--quantize-head] [--no-pdl]
+                                     [--unfused] [--quantize-head]
 
 Builds the preset with random weights as `kforge bench model` does, prefills one prompt per
 slot, warms the decode graph up, then (1) times 30 steps back to back with CUDA events and
@@ -15,10 +15,7 @@ rate are printed beside, so the GEMVs' bandwidth can be read off the table. `--u
 every op of the step on its own (`kforge.models.llama.model.FUSED_DECODE = False`): the same
 numbers in more launches, so two runs, one with it, give what the fusions buy. `--quantize-head`
 puts the LM head in the weights' format too (quantize.py; its quality cost is in
-tests/models/test_quantize.py). `--no-pdl` launches every kernel after the one before has
-finished (`PDL_DECODE = False`; kforge/runtime/pdl.py). Under PDL a kernel starts early and
-waits for the one before, so its time in the table includes that wait and the kernels' sum can
-pass the step's time: the step's time is the figure to compare, the table says where.
+tests/models/test_quantize.py).
 """
 
 from __future__ import annotations
@@ -64,13 +61,11 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--unfused", action="store_true", help="each op of the step on its own (no decode fusions)")
     parser.add_argument("--quantize-head", action="store_true", help="the LM head in the weights' format too")
-    parser.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch (runtime/pdl.py)")
     args = parser.parse_args()
 
     from kforge.models.llama import model as llama_model
 
     llama_model.FUSED_DECODE = not args.unfused
-    llama_model.PDL_DECODE = not args.no_pdl
 
     from kforge.bench.model import copy_bandwidth, time_steps
     from kforge.device import current_device
@@ -112,8 +107,7 @@ def main() -> None:
     step_ms = timing.median_ms
     kernel_ms = sum(us for _, _, us in kernels) / profiled / 1e3
     w_bytes = weight_bytes(model)
-    fusions = (("unfused" if args.unfused else "fused") + (", head quantized" if args.quantize_head else "")
-               + (", no PDL" if args.no_pdl else ""))
+    fusions = ("unfused" if args.unfused else "fused") + (", head quantized" if args.quantize_head else "")
     print(f"# {args.model} {args.weights} ({fusions}), batch {args.batch}, prompt {args.prompt}; {device.name}, "
           f"torch {torch.__version__}; copy {copy_gbps:,.0f} GB/s ({copy_source})")
     print(f"# step {step_ms:.3f} ms (median of {timed}, {timing.clock}); {per_step} kernels a step, "

@@ -5,8 +5,7 @@ in the test process, and Triton reads the choice once, at import), compiles each
 with `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`, and returns per
 label: registers a thread, spilled bytes, shared memory, and counts of some SASS
 instructions (16-byte global loads, wgmma: HGMMA for 16-bit inputs, QGMMA for FP8; TMA
-loads, cp.async; griddepcontrol's wait, ACQBULK, and launch_dependents, PREEXIT, and the global
-memory instructions laid out before the first wait). A spec is a dict:
+loads, cp.async). A spec is a dict:
 label, module, kernel (the name of a @triton.jit function, not an autotuner), types (argument name -> Triton type, e.g. "*bf16",
 "i32"; others are constexprs), constants, aligned (arguments Triton may assume divisible
 by 16), num_warps, num_stages.
@@ -23,7 +22,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kforge.runtime.cuda import Cubin, memory_before_wait, resources, sass
+from kforge.runtime.cuda import Cubin, resources, sass
 
 found = {}
 for spec in json.loads(sys.stdin.read()):
@@ -41,8 +40,7 @@ for spec in json.loads(sys.stdin.read()):
     found[spec["label"]] = dict(
         registers=used.registers, local=used.local_bytes + used.stack_bytes, spills=count(r"\b(STL|LDL)\b"),
         shared=kernel.metadata.shared, ldg128=count(r"\bLDG\.E\.128\b"), stg128=count(r"\bSTG\.E\.128\b"),
-        hgmma=count(r"\bHGMMA\b"), qgmma=count(r"\bQGMMA\b"), tma=count(r"\bUTMALDG\b"), ldgsts=count(r"\bLDGSTS\b"),
-        acqbulk=count(r"\bACQBULK\b"), preexit=count(r"\bPREEXIT\b"), memory_before_wait=memory_before_wait(code))
+        hgmma=count(r"\bHGMMA\b"), qgmma=count(r"\bQGMMA\b"), tma=count(r"\bUTMALDG\b"), ldgsts=count(r"\bLDGSTS\b"))
 print(json.dumps(found))
 """
 

@@ -170,15 +170,14 @@ def test_engine_warmup_captures_every_bucket_and_generates_the_eager_tokens():
     assert [tokens[:4] for tokens in graphed] == [tokens[:4] for tokens in eager], (graphed, eager)
 
 
-def fused_and_unfused_logits(model: Llama, device: str, dtype: torch.dtype, monkeypatch,
-                             switch: str = "FUSED_DECODE") -> dict[bool, torch.Tensor]:
+def fused_and_unfused_logits(model: Llama, device: str, dtype: torch.dtype, monkeypatch) -> dict[bool, torch.Tensor]:
     """Twelve decode steps of 1, 4 and 3 rows (contexts crossing page ends) replayed through
-    DecodeGraphs (eagerly on CPU) with the model's `switch` (the decode fusions, or PDL) on and off."""
+    DecodeGraphs (eagerly on CPU) with the model's decode fusions on and off."""
     from kforge.models.llama import model as llama_model
 
     logits = {}
-    for on in (True, False):
-        monkeypatch.setattr(llama_model, switch, on)
+    for fused in (True, False):
+        monkeypatch.setattr(llama_model, "FUSED_DECODE", fused)
         cache = KVCache(model.config, num_pages=16, page_size=16, max_slots=4, max_context=256, dtype=dtype,
                         device=device)
         prompts = [list(range(100, 100 + n)) for n in (14, 15, 30, 40)]  # up to 44 of 64 tokens
@@ -188,7 +187,7 @@ def fused_and_unfused_logits(model: Llama, device: str, dtype: torch.dtype, monk
         graphs = DecodeGraphs(model, cache, max_batch=4, max_context=256)
         steps = [graphs([(slot, cache.lengths[slot], 7 + step + slot) for slot in range(n)])[0].clone()
                  for step, n in enumerate((1, 4, 3) * 4)]
-        logits[on] = torch.stack(steps)
+        logits[fused] = torch.stack(steps)
     return logits
 
 
@@ -207,16 +206,3 @@ def test_the_fused_decode_step_gives_the_unfused_steps_logits_bit_for_bit(weight
     to the same logits, bit for bit."""
     logits = fused_and_unfused_logits(llama3_1b_two_layers(weights), "cuda", torch.bfloat16, monkeypatch)
     assert torch.equal(logits[True], logits[False])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("weights", ["bf16", "w4a16", "fp8"])
-def test_the_pdl_decode_step_gives_the_serialized_steps_logits_bit_for_bit(weights, monkeypatch):
-    """Under programmatic dependent launch (kforge/runtime/pdl.py) each kernel of the step starts
-    before the one before has finished and waits for its results in place: a kernel that read or
-    wrote step data before its wait would race. Graphs captured with PDL_DECODE on and off replay
-    the same steps to the same logits, bit for bit, three times over."""
-    model = llama3_1b_two_layers(weights)
-    for _ in range(3):
-        logits = fused_and_unfused_logits(model, "cuda", torch.bfloat16, monkeypatch, switch="PDL_DECODE")
-        assert torch.equal(logits[True], logits[False])

@@ -18,7 +18,7 @@ def test_structures_have_the_sizes_and_offsets_of_cuda_h():
     assert ctypes.sizeof(LaunchConfig) == 56 and ctypes.sizeof(LaunchAttribute) == 72
     assert LaunchConfig.sharedMemBytes.offset == 24 and LaunchConfig.hStream.offset == 32
     assert LaunchConfig.attrs.offset == 40 and LaunchConfig.numAttrs.offset == 48
-    assert LaunchAttribute.value.offset == 8
+    assert LaunchAttribute.cluster.offset == 8
 
 
 def _cuda_h() -> Path | None:
@@ -38,10 +38,9 @@ def test_structures_match_the_header_compiled_by_a_c_compiler(tmp_path):
 #include <stdio.h>
 #include <stddef.h>
 int main(void) {
-  printf("%zu %zu %zu %zu %zu %zu %zu %d %d\\n", sizeof(CUlaunchConfig), offsetof(CUlaunchConfig, sharedMemBytes),
+  printf("%zu %zu %zu %zu %zu %zu %zu %d\\n", sizeof(CUlaunchConfig), offsetof(CUlaunchConfig, sharedMemBytes),
          offsetof(CUlaunchConfig, hStream), offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs),
-         sizeof(CUlaunchAttribute), offsetof(CUlaunchAttribute, value), (int)CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-         (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+         sizeof(CUlaunchAttribute), offsetof(CUlaunchAttribute, value), (int)CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION);
   return 0;
 }""")
     subprocess.run(["cc", f"-I{_cuda_h().parent}", str(program), "-o", str(tmp_path / "layout")], check=True)
@@ -49,8 +48,7 @@ int main(void) {
     assert [int(v) for v in found] == [
         ctypes.sizeof(LaunchConfig), LaunchConfig.sharedMemBytes.offset, LaunchConfig.hStream.offset,
         LaunchConfig.attrs.offset, LaunchConfig.numAttrs.offset, ctypes.sizeof(LaunchAttribute),
-        LaunchAttribute.value.offset, driver.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-        driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION]
+        LaunchAttribute.cluster.offset, driver.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION]
 
 
 def test_enum_values_match_cuda_bindings():
@@ -62,8 +60,6 @@ def test_enum_values_match_cuda_bindings():
     assert driver.L2_PROMOTIONS[256] == int(cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B)
     assert driver.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION == int(
         cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
-    assert driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION == int(
-        cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
 
 
 class FakeDriver:
@@ -74,7 +70,7 @@ class FakeDriver:
 
     def cuLaunchKernelEx(self, config_ref, function, params, extra):
         config = ctypes.cast(config_ref, ctypes.POINTER(LaunchConfig)).contents
-        cluster = [(a.id, a.value.x, a.value.y, a.value.z) for a in config.attrs[:config.numAttrs]]
+        cluster = [(a.id, a.cluster.x, a.cluster.y, a.cluster.z) for a in config.attrs[:config.numAttrs]]
         self.launches.append(dict(grid=(config.gridDimX, config.gridDimY, config.gridDimZ),
                                   block=(config.blockDimX, config.blockDimY, config.blockDimZ),
                                   shared=config.sharedMemBytes, stream=config.hStream, cluster=cluster,
@@ -122,13 +118,6 @@ def test_a_launch_without_a_cluster_has_no_attribute_and_counts_its_arguments(fa
         launch(0, 5, 6)
     with pytest.raises(Exception, match="argument kinds"):
         LeanLaunch(1, (1, 1, 1), (32, 1, 1), 0, None, ("f64",))
-
-
-def test_a_pdl_launch_carries_the_programmatic_serialization_flag_beside_the_cluster(fake):
-    LeanLaunch(1, (8, 1, 1), (128, 1, 1), 0, None, ("i32",), pdl=True)(0, 5)
-    assert fake.launches[-1]["cluster"] == [(6, 1, 0, 0)]  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: 1
-    LeanLaunch(1, (8, 1, 1), (128, 1, 1), 0, (2, 1, 1), ("i32",), pdl=True)(0, 5)
-    assert fake.launches[-1]["cluster"] == [(4, 2, 1, 1), (6, 1, 0, 0)]
 
 
 def test_a_float_argument_is_passed_as_four_bytes_of_float(fake):

@@ -291,19 +291,6 @@ def sass_loops(code: str) -> list[list[str]]:
     return [[instruction.split()[0] for instruction in loop] for loop in sass_loop_instructions(code)]
 
 
-GLOBAL_MEMORY = re.compile(r"\b(LDG|STG|ATOMG|RED|LDGSTS|UTMALDG|UTMASTG)\b")
-
-
-def memory_before_wait(code: str) -> int | None:
-    """How many global memory instructions `sass` text lays out before its first
-    griddepcontrol.wait (ACQBULK); None without one. A kernel built for programmatic dependent
-    launch must have none there (kforge/runtime/pdl.py): L2 prefetches (UBLKPF, CCTL) and bulk
-    copies of its weights (UBLKCP) may come first."""
-    instructions = [text for _, text in _SASS_LINE.findall(code)]
-    first = next((i for i, text in enumerate(instructions) if re.search(r"\bACQBULK\b", text)), None)
-    return None if first is None else sum(1 for text in instructions[:first] if GLOBAL_MEMORY.search(text))
-
-
 def loop_opcodes(code: str) -> list[str]:
     """The opcodes of all the loops in `sass` text (`sass_loops`), one after another. What a
     kernel's steady state issues; the tests count them per value a loop consumes."""
@@ -437,10 +424,9 @@ class CudaKernel:
         return self._prepared[key]
 
     def lean(self, grid: int | Sequence[int], block: int | Sequence[int], index: int, *, kinds: Sequence[str],
-             shared_bytes: int = 0, cluster: int | Sequence[int] | None = None, pdl: bool = False):
+             shared_bytes: int = 0, cluster: int | Sequence[int] | None = None):
         """A `driver.LeanLaunch` of this kernel on device `index`: the same checks as `prepare`,
-        then every later call is a few ctypes calls (see `kforge.runtime.driver`). `pdl`: with
-        the programmatic-dependent-launch attribute, for a build with PDL=1 (`runtime/pdl.py`)."""
+        then every later call is a few ctypes calls (see `kforge.runtime.driver`)."""
         from cuda.bindings import driver
         from cuda.core import Device
 
@@ -452,7 +438,7 @@ class CudaKernel:
         if isinstance(kernel.handle, driver.CUkernel):
             Device(index).set_current()  # torch's primary context, current on this thread (a new thread has none)
             handle = function_of(handle)
-        return LeanLaunch(handle, grid, block, shared_bytes, cluster, kinds, pdl)
+        return LeanLaunch(handle, grid, block, shared_bytes, cluster, kinds)
 
     def max_active_clusters(self, block: int, cluster: int, shared_bytes: int, index: int) -> int:
         """How many clusters of `cluster` blocks can run at once on device `index` (the

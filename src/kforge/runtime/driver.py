@@ -33,7 +33,6 @@ from functools import cache
 from kforge.errors import KforgeError
 
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
-CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # programmatic dependent launch (runtime/pdl.py)
 TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN = 128, 64
 DATA_TYPES = {"uint8": 0, "float16": 6, "bfloat16": 9}  # CUtensorMapDataType (fp8 travels as uint8)
 SWIZZLES = {0: 0, 32: 1, 64: 2, 128: 3}  # swizzle bytes -> CUtensorMapSwizzle
@@ -45,12 +44,12 @@ class DriverError(KforgeError):
     """A CUDA driver call failed; the message names the call and the CUresult."""
 
 
-class _AttributeValue(ctypes.Structure):  # the 64-byte union: a cluster's x, y, z; or PDL's flag in x
+class _ClusterDim(ctypes.Structure):
     _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint), ("pad", ctypes.c_char * 52)]
 
 
 class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding, a 64-byte union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttributeValue)]
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("cluster", _ClusterDim)]
 
 
 class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
@@ -140,30 +139,22 @@ class TensorMaps:
 
 
 class LeanLaunch:
-    """A prepared launch of one kernel: fixed grid, block, shared memory, cluster and, with `pdl`,
-    the programmatic-dependent-launch attribute (only for a build that waits: runtime/pdl.py).
-    Its arguments, in order, are described by `kinds`: "map" (the address of a 128-byte TMA
+    """A prepared launch of one kernel: fixed grid, block, shared memory and cluster. Its
+    arguments, in order, are described by `kinds`: "map" (the address of a 128-byte TMA
     descriptor, `TensorMaps.address_of`, passed by value to a `__grid_constant__`
     parameter), "ptr" (a 64-bit address), "i32" (a 32-bit int) or "f32" (a float)."""
 
     def __init__(self, function: int, grid: Sequence[int], block: Sequence[int], shared_bytes: int,
-                 cluster: Sequence[int] | None, kinds: Sequence[str], pdl: bool = False):
+                 cluster: Sequence[int] | None, kinds: Sequence[str]):
         if any(kind not in ("map", "ptr", "i32", "f32") for kind in kinds):
             raise KforgeError(f"LeanLaunch: argument kinds are 'map', 'ptr', 'i32' or 'f32', got {tuple(kinds)}")
         self.function = function
-        self.pdl = pdl
         self._launch = libcuda().cuLaunchKernelEx
         self.config = LaunchConfig(*grid, *block, shared_bytes, None, None, 0)
-        attributes = []
         if cluster is not None:
-            attributes.append(LaunchAttribute(CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, b"", _AttributeValue(*cluster)))
-        if pdl:
-            attributes.append(LaunchAttribute(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, b"",
-                                              _AttributeValue(1)))
-        if attributes:
-            self._attributes = (LaunchAttribute * len(attributes))(*attributes)
-            self.config.attrs = ctypes.cast(self._attributes, ctypes.POINTER(LaunchAttribute))
-            self.config.numAttrs = len(attributes)
+            self._attribute = LaunchAttribute(CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, b"", _ClusterDim(*cluster))
+            self.config.attrs = ctypes.pointer(self._attribute)
+            self.config.numAttrs = 1
         # A map's parameter is its descriptor's own address. The scalars live in 8-byte slots of one
         # buffer that a call fills with a single struct.pack_into (setting ctypes values one by one
         # cost ~0.3 us an argument on the H100's host); a scalar's parameter is its slot's address.

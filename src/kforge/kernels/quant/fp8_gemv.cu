@@ -37,9 +37,6 @@
 // The defaults (MT 1, KW 8, XPF 0, MINB 3: 74-80 registers on sm_90, no spills, 3 blocks of 8 warps
 // an SM) and the variant taken above 8 tokens are measured choices: fp8_gemv.py's `cuda_variant`.
 //
-// PDL 1 (kforge/runtime/pdl.py): the block's rows (their first PREFETCH_BYTES) and scales into L2,
-// then the wait for the kernel before (which wrote x).
-//
 // RESIDUAL 1 adds `residual` (M, N) bf16 in the store, as the unfused pair rounds it: the product
 // to bf16 first, then the add in fp32 (torch's bf16 add), rounded again; one launch less a layer.
 
@@ -62,7 +59,6 @@
 #define RESIDUAL 0  // 1: y = residual + y, the residual add that follows the down projection in a decode step
 #endif
 
-#include "../hopper/pdl.cuh"
 #include "gemv_common.cuh"
 
 static_assert(128 % (16 * MT) == 0, "a warp's rows must lie in one 128-row scale band");
@@ -193,12 +189,6 @@ fp8_gemv(const uint4* __restrict__ q, const float* __restrict__ s, const uint4* 
     u32 tokens[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) tokens[j] = min(8 * j + g, batch - 1) * x_row + 4 * t;
-    if (threadIdx.x < 16 * MT) {  // PDL: the block's rows (their first PREFETCH_BYTES) into L2, then the wait
-        pdl_prefetch_row(q + static_cast<size_t>(min(first + static_cast<int>(threadIdx.x), n - 1)) * q_row,
-                         128u * chunks);
-        if (threadIdx.x < chunks / 32) pdl_prefetch_line(s + scale_row + 32 * threadIdx.x);
-    }
-    pdl_wait();
 
     float acc[MT][NT][4];
 #pragma unroll

@@ -60,8 +60,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kforge.runtime import pdl
-
 MAX_BATCH = 16
 SCALE_BLOCK = 128  # the format's block: 128 x 128 weights a scale
 CODE_DTYPE = torch.float8_e4m3fn
@@ -191,18 +189,17 @@ def launch_cuda_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, y: t
     is added in the store (the RESIDUAL build). A plan per shape and strides keeps the lean launch
     with its scalar arguments: a call passes the five pointers."""
     r_row = None if residual is None else residual.stride(0)
-    chained = pdl.enabled(x.device)
     key = (x.shape, q.shape[0], x.stride(0), q.stride(0), scale.stride(0), y.stride(0), r_row, x.device.index,
-           m_tiles, k_warps, x_ahead, min_blocks, chained)
+           m_tiles, k_warps, x_ahead, min_blocks)
     plan = _CUDA_PLANS.get(key)
     if plan is None:
-        plan = _CUDA_PLANS[key] = _cuda_plan(x, q, scale, y, m_tiles, k_warps, x_ahead, min_blocks, r_row, chained)
+        plan = _CUDA_PLANS[key] = _cuda_plan(x, q, scale, y, m_tiles, k_warps, x_ahead, min_blocks, r_row)
     launch, index, scalars = plan
     launch(torch._C._cuda_getCurrentRawStream(index), q.data_ptr(), scale.data_ptr(), x.data_ptr(), y.data_ptr(),
            0 if residual is None else residual.data_ptr(), *scalars)
 
 
-def _cuda_plan(x, q, scale, y, m_tiles, k_warps, x_ahead, min_blocks, r_row, chained=False) -> tuple:
+def _cuda_plan(x, q, scale, y, m_tiles, k_warps, x_ahead, min_blocks, r_row) -> tuple:
     """(lean launch, device index, the scalar arguments) of `fp8_gemv.cu` for one shape."""
     batch, k = x.shape
     n = q.shape[0]
@@ -217,17 +214,16 @@ def _cuda_plan(x, q, scale, y, m_tiles, k_warps, x_ahead, min_blocks, r_row, cha
     if shared > CUDA_SHARED_LIMIT:
         raise ValueError(f"fp8_gemv.cu with MT={m_tiles}, NT={n_tiles}, KW={k_warps} needs {shared} bytes of shared "
                          f"memory, over {CUDA_SHARED_LIMIT}")
-    variant = (m_tiles, n_tiles, k_warps, x_ahead, min_blocks, r_row is not None, chained)
+    variant = (m_tiles, n_tiles, k_warps, x_ahead, min_blocks, r_row is not None)
     kernel = _CUDA_KERNELS.get(variant)
     if kernel is None:
         from kforge.runtime.cuda import CudaKernel
 
         kernel = _CUDA_KERNELS[variant] = CudaKernel.from_file(
             CUDA_SOURCE, "fp8_gemv", defines={"MT": m_tiles, "NT": n_tiles, "KW": k_warps, "XPF": int(x_ahead),
-                                              "MINB": min_blocks, "RESIDUAL": int(r_row is not None),
-                                              "PDL": int(chained)})
+                                              "MINB": min_blocks, "RESIDUAL": int(r_row is not None)})
     index = x.device.index
-    launch = kernel.lean(triton.cdiv(n, 16 * m_tiles), 32 * k_warps, index, kinds=CUDA_KINDS, pdl=chained)
+    launch = kernel.lean(triton.cdiv(n, 16 * m_tiles), 32 * k_warps, index, kinds=CUDA_KINDS)
     scalars = (n, batch, k // SCALE_BLOCK, q.stride(0) // 16, scale.stride(0), x.stride(0) // 8, y.stride(0),
                r_row or 0)
     return launch, index, scalars

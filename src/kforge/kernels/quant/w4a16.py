@@ -88,8 +88,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kforge.runtime import pdl
-
 MAX_BATCH = 32
 GEMV_MAX_BATCH = 2  # CUDA-core path up to here, tensor cores above (see the module docstring)
 GROUP_MULTIPLE = 32  # a lane's 32 k lie in one group
@@ -414,20 +412,19 @@ def launch_cuda_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     n, k = qweight.shape[0], x.shape[1]
     default_rows, default_warps = cuda_variant(n)
     rows, warps = rows or default_rows, warps or default_warps
-    index, fused, chained = x.device.index, residual is not None, pdl.enabled(x.device)
-    key = (rows, warps, group, n, index, fused, chained)
+    index, fused = x.device.index, residual is not None
+    key = (rows, warps, group, n, index, fused)
     launch = _CUDA_LAUNCHES.get(key)
     if launch is None:
         from kforge.runtime.cuda import CudaKernel
 
-        variant = (rows, warps, group, fused, chained)
+        variant = (rows, warps, group, fused)
         kernel = _CUDA_LAUNCHES.get(variant)
         if kernel is None:
             kernel = _CUDA_LAUNCHES[variant] = CudaKernel.from_file(
-                CUDA_SOURCE, "w4a16_gemv", defines={"ROWS": rows, "WARPS": warps, "GROUP_UNITS": group // 32,
-                                                    "RESIDUAL": int(fused), "PDL": int(chained)})
-        launch = _CUDA_LAUNCHES[key] = kernel.lean(triton.cdiv(n, rows * warps), 32 * warps, index, kinds=CUDA_KINDS,
-                                                   pdl=chained)
+                CUDA_SOURCE, "w4a16_gemv",
+                defines={"ROWS": rows, "WARPS": warps, "GROUP_UNITS": group // 32, "RESIDUAL": int(fused)})
+        launch = _CUDA_LAUNCHES[key] = kernel.lean(triton.cdiv(n, rows * warps), 32 * warps, index, kinds=CUDA_KINDS)
     launch(torch._C._cuda_getCurrentRawStream(index), qweight.data_ptr(), scales.data_ptr(), x.data_ptr(),
            y.data_ptr(), residual.data_ptr() if fused else 0, n, k // 32, qweight.stride(0) // 16, scales.stride(0))
 
@@ -485,8 +482,8 @@ def launch_bulk_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     `stages` ring slots (default: as many as fit, at most 4). The defaults were the fastest
     measured (the .cu's header)."""
     n, k = qweight.shape[0], x.shape[1]
-    index, chained = x.device.index, pdl.enabled(x.device)
-    key = ("bulk", rows, consumers, stages, n, k, index, chained)
+    index = x.device.index
+    key = ("bulk", rows, consumers, stages, n, k, index)
     launch = _CUDA_LAUNCHES.get(key)
     if launch is None:
         from kforge.runtime.cuda import CudaKernel
@@ -494,18 +491,16 @@ def launch_bulk_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         if stages is None:
             stages = max((d for d in range(2, 5) if bulk_shared_bytes(k, rows, consumers, d) <= BULK_SHARED_LIMIT),
                          default=2)
-        variant = ("bulk", rows, consumers, stages, chained)
+        variant = ("bulk", rows, consumers, stages)
         kernel = _CUDA_LAUNCHES.get(variant)
         if kernel is None:
             kernel = _CUDA_LAUNCHES[variant] = CudaKernel.from_file(
-                BULK_SOURCE, "w4a16_gemv_bulk",
-                defines={"ROWS": rows, "CONSUMERS": consumers, "STAGES": stages, "PDL": int(chained)})
+                BULK_SOURCE, "w4a16_gemv_bulk", defines={"ROWS": rows, "CONSUMERS": consumers, "STAGES": stages})
         threads, smem = 32 * (consumers + 1), bulk_shared_bytes(k, rows, consumers, stages)
         with torch.cuda.device(index):
             resident = kernel.max_active_clusters(threads, 1, smem, index)
         grid = min(triton.cdiv(n, rows * consumers), resident)
-        launch = _CUDA_LAUNCHES[key] = kernel.lean(grid, threads, index, kinds=BULK_KINDS, shared_bytes=smem,
-                                                   pdl=chained)
+        launch = _CUDA_LAUNCHES[key] = kernel.lean(grid, threads, index, kinds=BULK_KINDS, shared_bytes=smem)
     launch(torch._C._cuda_getCurrentRawStream(index), qweight.data_ptr(), scales.data_ptr(), x.data_ptr(),
            y.data_ptr(), n, k)
 

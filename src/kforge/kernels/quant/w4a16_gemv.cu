@@ -21,9 +21,6 @@
 //
 // RESIDUAL 1 adds `residual` (N) bf16 in the store, as the unfused pair rounds it: the product to
 // bf16 first, then the add in fp32 (torch's bf16 add), rounded again; one launch less a layer.
-//
-// PDL 1 (kforge/runtime/pdl.py): the warp's rows (their first PREFETCH_BYTES) and their scales into
-// L2, then the wait for the kernel before (which wrote x).
 
 #ifndef ROWS
 #define ROWS 4  // rows of W a warp
@@ -38,7 +35,6 @@
 #define RESIDUAL 0  // 1: y = residual + y, the residual add after the down projection
 #endif
 
-#include "../hopper/pdl.cuh"
 #include "w4a16_decode.cuh"
 
 // One step of a lane: 16 bytes of each of its ROWS rows, their scales, and the 64 bytes of x they meet.
@@ -73,14 +69,6 @@ w4a16_gemv(const uint4* __restrict__ q, const u16* __restrict__ s, const uint4* 
         rows[r] = q + row * q_row;
         row_scales[r] = s + row * s_row;
     }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        if (lane == r) {
-            pdl_prefetch_row(rows[r], 16u * units);
-            pdl_prefetch_line(row_scales[r]);
-        }
-    }
-    pdl_wait();
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;

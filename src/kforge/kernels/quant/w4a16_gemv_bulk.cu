@@ -36,13 +36,8 @@
 // wait ~3 us for the producer to refill a freed slot while the consumers compute. Fewer, larger or
 // more copies, more or fewer warps, rows and stages, and one token on mma.sync were all slower or
 // no faster (figures and commits: docs/worklogs/quant.md).
-//
-// PDL 1 (kforge/runtime/pdl.py): the producer reads only W and its scales, which no kernel of the
-// step writes, so it starts its copies at once; the consumers wait for the kernel before (which
-// wrote x) before they read x or write y.
 
 #include "../gemm_bf16/hopper.cuh"
-#include "../hopper/pdl.cuh"
 #include "w4a16_decode.cuh"
 
 #ifndef ROWS
@@ -106,7 +101,6 @@ w4a16_gemv_bulk(const unsigned char* __restrict__ q, const unsigned char* __rest
 
     // Consumers. x, prescaled, once (while the first stages are on their way): X_BATCH units a thread
     // at a time, all their loads issued before any is used (one memory latency a batch, not one a unit).
-    pdl_wait();
     constexpr int X_BATCH = 4;
     for (int first = threadIdx.x; first < units; first += X_BATCH * 32 * CONSUMERS) {
         uint4 loaded[X_BATCH][4];

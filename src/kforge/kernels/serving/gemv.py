@@ -69,10 +69,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from kforge.kernels.serving.swiglu import swiglu_reference
-from kforge.runtime import pdl
 
 MAX_BATCH = 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -149,10 +147,7 @@ EPI_NONE, EPI_RESIDUAL, EPI_SWIGLU = 0, 1, 2
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, y_ptr, gamma_ptr, residual_ptr, batch, n_out, k_in, stride_xb, stride_wn, stride_yb,
                 stride_rb, eps, weight_rows, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                USE_DOT: tl.constexpr, NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, EPILOGUE: tl.constexpr = 0,
-                PDL: tl.constexpr = False):
-    if PDL:  # launched under PDL (kforge/runtime/pdl.py): x is the kernel before's output
-        gdc_wait()
+                USE_DOT: tl.constexpr, NORM: tl.constexpr, DOT_PRECISION: tl.constexpr, EPILOGUE: tl.constexpr = 0):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_b = tl.arange(0, BLOCK_B)
     w_rows = tl.minimum(offs_n, n_out - 1)  # past the end: re-read the last row, never store it
@@ -248,19 +243,17 @@ def launch_rows_kernel(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, e
     through a kept LeanLaunch; N is y's width (weight has 2N rows with EPI_SWIGLU)."""
     n, k = y.shape[1], weight.shape[1]
     index = x.device.index
-    chained = pdl.enabled(x.device)
-    key = (epilogue, chained, n, k, weight.stride(0), index)
+    key = (epilogue, n, k, weight.stride(0), index)
     launch = _ROWS_LAUNCHES.get(key)
     if launch is None:
         from kforge.runtime.cuda import CudaKernel
 
-        kernel = _ROWS_LAUNCHES.get((epilogue, chained))
+        kernel = _ROWS_LAUNCHES.get(epilogue)
         if kernel is None:
-            kernel = _ROWS_LAUNCHES[epilogue, chained] = CudaKernel.from_file(
-                ROWS_SOURCE, "gemv_bf16", defines={"EPILOGUE": epilogue, "PDL": int(chained)})
+            kernel = _ROWS_LAUNCHES[epilogue] = CudaKernel.from_file(ROWS_SOURCE, "gemv_bf16",
+                                                                     defines={"EPILOGUE": epilogue})
         launch = _ROWS_LAUNCHES[key] = kernel.lean(triton.cdiv(n, ROWS_PER_BLOCK), 32 * ROWS_PER_BLOCK, index,
-                                                   kinds=("ptr", "ptr", "ptr", "i32", "i32", "i32", "ptr"),
-                                                   pdl=chained)
+                                                   kinds=("ptr", "ptr", "ptr", "i32", "i32", "i32", "ptr"))
     launch(torch._C._cuda_getCurrentRawStream(index), weight.data_ptr(), x.data_ptr(), y.data_ptr(), n, k // 8,
            weight.stride(0) // 8, 0 if residual is None else residual.data_ptr())
 
@@ -288,7 +281,6 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, config: dict | None, *, n
         return y
     args = dict(BLOCK_B=triton.next_power_of_2(batch), NORM=norm_eps is not None,
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EPILOGUE=epilogue)
-    args.update(pdl.triton_options(pdl.enabled(x.device)))
     eps = 0.0 if norm_eps is None else norm_eps
     strides = (x.stride(0), weight.stride(0), y.stride(0), 0 if residual is None else residual.stride(0))
     tail = (eps, weight.shape[0])

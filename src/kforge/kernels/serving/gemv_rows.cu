@@ -20,9 +20,6 @@
 //   y[n] = silu(g) * u of g = W[n] . x and u = W[N + n] . x, one warp computing both.
 // Each rounds as the unfused pair does (the product to bf16 first, then the Triton kernel's
 // arithmetic: kernels/serving/swiglu.py, the add in fp32), so a fused step gives the same bits.
-//
-// PDL 1 (kforge/runtime/pdl.py): the warp's first PREFETCH_BYTES of its row(s) into L2, then the
-// wait for the kernel before (which wrote x).
 
 #ifndef CHUNK
 #define CHUNK 4  // 16-byte loads per lane per step
@@ -36,8 +33,6 @@
 #ifndef EPILOGUE
 #define EPILOGUE EPI_NONE
 #endif
-
-#include "../hopper/pdl.cuh"
 
 typedef unsigned int u32;
 
@@ -123,20 +118,9 @@ gemv_bf16(const uint4* __restrict__ W, const uint4* __restrict__ x, unsigned sho
           int K8, int row_stride8, const unsigned short* __restrict__ residual) {
     const int lane = threadIdx.x % 32, row = blockIdx.x * WARPS + threadIdx.x / 32;
     if (row >= N) return;  // the whole warp: row is the warp's
-    const uint4* w = W + static_cast<size_t>(row) * row_stride8;
+    const float sum = warp_dot(W + static_cast<size_t>(row) * row_stride8, x, K8, lane);
 #if EPILOGUE == EPI_SWIGLU
-    const uint4* w_up = W + static_cast<size_t>(N + row) * row_stride8;
-#endif
-    if (lane == 0) {
-        pdl_prefetch_row(w, 16u * K8);
-#if EPILOGUE == EPI_SWIGLU
-        pdl_prefetch_row(w_up, 16u * K8);
-#endif
-    }
-    pdl_wait();
-    const float sum = warp_dot(w, x, K8, lane);
-#if EPILOGUE == EPI_SWIGLU
-    const float up = warp_dot(w_up, x, K8, lane);
+    const float up = warp_dot(W + static_cast<size_t>(N + row) * row_stride8, x, K8, lane);
 #endif
     if (lane == 0) {
 #if EPILOGUE == EPI_NONE

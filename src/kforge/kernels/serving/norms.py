@@ -61,9 +61,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
-
-from kforge.runtime import pdl
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROW_IN_REGISTERS = 16384  # longer rows loop over chunks (see the module docstring)
@@ -98,9 +95,7 @@ def _scale_and_store(y, w_ptr, b_ptr, out_ptr, rows, cols, mask, hidden, HAS_BIA
 @triton.jit
 def norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, new_res_ptr, n_rows, hidden, x_stride, res_stride, eps,
                 RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, LOOPED: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched under PDL (kforge/runtime/pdl.py): x and the residual are earlier kernels' outputs
-        gdc_wait()
+                BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, LOOPED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < n_rows
     rows = rows.to(tl.int64)
@@ -230,8 +225,7 @@ def _norm_forward(x, weight, bias, residual, eps, rms, block_size):
             x_rows, res_rows, weight, bias.contiguous() if bias is not None else weight, out,
             new_residual if new_residual is not None else out, n_rows, hidden, x_rows.stride(0),
             res_rows.stride(0), float(eps), RMS=rms, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            BLOCK_ROWS=config.block_rows, BLOCK_H=config.block_h, LOOPED=config.looped, num_warps=config.num_warps,
-            **pdl.triton_options(pdl.enabled(x.device)))
+            BLOCK_ROWS=config.block_rows, BLOCK_H=config.block_h, LOOPED=config.looped, num_warps=config.num_warps)
     return out if residual is None else (out, new_residual)
 
 

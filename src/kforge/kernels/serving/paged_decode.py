@@ -130,10 +130,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from kforge.kernels.serving.paged_kv import check_caches, check_table_values, check_tables
-from kforge.runtime import pdl
 
 LOG2E = 1.4426950408889634
 H100_SMS = 132
@@ -158,9 +156,7 @@ def paged_decode_partition_kernel(
         kv_heads, max_pages, num_partitions, partition_size, qk_scale,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched under PDL (kforge/runtime/pdl.py): q, the cache and the lengths are earlier kernels' outputs
-        gdc_wait()
+        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
     request = tl.program_id(0) // kv_heads
     kv_head = tl.program_id(0) % kv_heads
     partition = tl.program_id(1)
@@ -279,10 +275,7 @@ def _combine_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr, first_r
 @triton.jit
 def paged_decode_reduce_kernel(part_max_ptr, part_sum_ptr, part_acc_ptr, context_lens_ptr, out_ptr,
                                q_heads, max_tokens, num_partitions, partition_size,
-                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                               PDL: tl.constexpr = False):
-    if PDL:  # launched under PDL: the partials are the partition kernel's
-        gdc_wait()
+                               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
     row = tl.program_id(0)  # request * q_heads + query head
     length = tl.minimum(tl.load(context_lens_ptr + row // q_heads), max_tokens)
     written = tl.cdiv(length, partition_size)  # kernel 1 skipped the partitions past the length
@@ -450,7 +443,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     else:
         part_max = part_sum = part_acc = out  # not touched without SPLIT
     fused = counters is not None
-    chained = pdl.triton_options(pdl.enabled(q.device))
     block_h = triton.next_power_of_2(group)
     block_m = min(MAX_REDUCE_BLOCK, triton.next_power_of_2(plan.num_partitions))  # a step of maxima: scalars
     paged_decode_partition_kernel[(batch * kv_heads, plan.num_partitions)](
@@ -462,12 +454,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         BLOCK_N=plan.block_n, SPLIT=plan.split, FUSED=fused, BLOCK_H=block_h if fused else 1,
         BLOCK_M=block_m if fused else 1, BLOCK_P=_reduce_block(plan.num_partitions, block_h, head_dim) if fused else 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **chained)
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
     if plan.split and not fused:
         paged_decode_reduce_kernel[(batch * q_heads,)](
             part_max, part_sum, part_acc, context_lens, out, q_heads, max_pages * page_size, plan.num_partitions,
             plan.partition_size, HEAD_DIM=head_dim, BLOCK_M=block_m,
-            BLOCK_P=_reduce_block(plan.num_partitions, 1, head_dim), num_warps=4, **chained)
+            BLOCK_P=_reduce_block(plan.num_partitions, 1, head_dim), num_warps=4)
     return out
 
 

@@ -74,12 +74,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from kforge.kernels.serving.paged_kv import check_append_inputs, check_table_values
 from kforge.kernels.serving.rope import (NUM_WARPS, _check_table, _rotate_heads, check_rope_inputs, cos_sin_row,
                                         rope_tile)
-from kforge.runtime import pdl
 
 
 @triton.jit
@@ -116,10 +114,7 @@ def rope_append_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, table_ptr, k_cache_ptr, v_c
                        v_batch_stride, v_seq_stride, v_head_stride,
                        stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_table,
                        HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       PAGE_SIZE: tl.constexpr, PARTIAL: tl.constexpr, INTERLEAVED: tl.constexpr,
-                       PDL: tl.constexpr = False):
-    if PDL:  # launched under PDL (kforge/runtime/pdl.py): q, k, v and the lengths are earlier kernels' outputs
-        gdc_wait()
+                       PAGE_SIZE: tl.constexpr, PARTIAL: tl.constexpr, INTERLEAVED: tl.constexpr):
     token = tl.program_id(0)
     head_block = tl.program_id(1)
     request = (token // new_tokens).to(tl.int64)
@@ -191,6 +186,5 @@ def rope_append_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: t
         q_heads, kv_heads, new_tokens, cos_sin.shape[0], rotary_dim // 2, block_tables.shape[1],
         *q4.stride()[:3], *k4.stride()[:3], *v4.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), HEADS_BLOCK=heads_block, HALF_BLOCK=half_block, HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, PARTIAL=rotary_dim < head_dim, INTERLEAVED=bool(interleaved), num_warps=NUM_WARPS,
-        **pdl.triton_options(pdl.enabled(q.device)))
+        PAGE_SIZE=page_size, PARTIAL=rotary_dim < head_dim, INTERLEAVED=bool(interleaved), num_warps=NUM_WARPS)
 

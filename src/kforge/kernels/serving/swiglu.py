@@ -33,9 +33,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
-
-from kforge.runtime import pdl
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TILE = 2048  # output elements per program
@@ -44,9 +41,7 @@ NUM_WARPS = 8
 
 @triton.jit
 def swiglu_kernel(x_ptr, out_ptr, n_rows, hidden, x_stride,
-                  BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # launched under PDL (kforge/runtime/pdl.py): x is the kernel before's output
-        gdc_wait()
+                  BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (rows < n_rows)[:, None] & (cols < hidden)[None, :]
@@ -91,7 +86,7 @@ def swiglu_forward(x: torch.Tensor, *, block_size: int | None = None) -> torch.T
     if n_rows:
         grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(hidden, block_h))
         swiglu_kernel[grid](x_rows, out, n_rows, hidden, x_rows.stride(0), BLOCK_ROWS=block_rows, BLOCK_H=block_h,
-                            num_warps=NUM_WARPS, **pdl.triton_options(pdl.enabled(x.device)))
+                            num_warps=NUM_WARPS)
     return out
 
 

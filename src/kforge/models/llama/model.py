@@ -53,7 +53,6 @@ from kforge.models.llama.config import LlamaConfig, rope_table
 from kforge.models.llama.quantize import FP8_BLOCK, Fp8Weight, Int4Weight
 from kforge.ops.varlen_attention import cumulative_seqlens
 from kforge.ops.w4a16 import MAX_BATCH as W4A16_MAX_ROWS
-from kforge.runtime import pdl
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight) -> torch.Tensor:
@@ -82,10 +81,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight) -> to
 # The decode step's fusions (see the module docstring); False runs each op on its own, the same
 # numbers in more launches: scripts/decode_profile.py --unfused times the difference.
 FUSED_DECODE = True
-# The decode step's kernels launched with programmatic dependent launch on Hopper (kforge/runtime/pdl.py):
-# each starts, and prefetches its weights, while the one before finishes. The same numbers either way;
-# scripts/decode_profile.py --no-pdl times the difference.
-PDL_DECODE = True
 
 
 def linear_swiglu(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight) -> torch.Tensor:
@@ -295,11 +290,6 @@ class Llama(nn.Module):
 
         Capturable as a CUDA graph: the block-table rows are gathered and the lengths derived
         on the device, and every op is called with validate=False (no device read)."""
-        with pdl.chained(PDL_DECODE):
-            return self._decode(tokens, positions, slots, cache, rope)
-
-    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache,
-                rope: torch.Tensor) -> torch.Tensor:
         tables = cache.block_tables.index_select(0, slots)
         before = positions.to(torch.int32)
         after = before + 1
