@@ -7,7 +7,8 @@ import pytest
 
 from kforge.harness.suite import SuiteRow, fast, summarize, Pair
 from kforge.harness.timing import StopRule, TimingConfig
-from kforge.harness.verdict import HOST_BOUND_FLOOR, escape_probability, judge_speed, median_interval, round_ratios
+from kforge.harness.verdict import (CPU_DEVICE_FLOOR, HOST_BOUND_FLOOR, escape_probability, judge_speed, median_interval,
+                                    round_ratios)
 
 
 def _noisy(base_ms: float, n: int, spread: float, seed: int) -> list[float]:
@@ -87,6 +88,20 @@ def test_host_bound_calls_need_more_than_what_two_processes_of_the_same_code_dif
     # a measured A/A floor above it still wins
     biased = judge_speed(ref, cand, _noisy(1.073 / 1.12, 100, 0.002, seed=27), host_bound=True)
     assert biased.noise_floor == pytest.approx(0.12, abs=0.005)
+
+
+def test_on_a_cpu_device_an_identity_read_16_percent_faster_is_a_tie():
+    # The identity vector_add read 1.162x "passed" across the judge's two processes on the 2-core
+    # development machine, and 0.837x "slower" another time: both are the CPU floor's ties now.
+    ref, cand = _noisy(1.162, 100, 0.005, seed=30), _noisy(1.0, 100, 0.005, seed=31)
+    assert judge_speed(ref, cand, host_bound=True).status == "faster"
+    on_cpu = judge_speed(ref, cand, cpu_device=True)
+    assert on_cpu.status == "tie" and on_cpu.noise_floor == CPU_DEVICE_FLOOR and on_cpu.cpu_device
+    assert "on a CPU device" in on_cpu.describe()
+    assert judge_speed(cand, _noisy(1.0 / 0.837, 100, 0.005, seed=32), cpu_device=True).status == "tie"
+    # a 1.5x win on a CPU device still passes, and a 1.5x loss is still slower
+    assert judge_speed(_noisy(1.5, 100, 0.005, seed=33), cand, cpu_device=True).status == "faster"
+    assert judge_speed(cand, _noisy(1.5, 100, 0.005, seed=34), cpu_device=True).status == "slower"
 
 
 def test_a_side_is_host_bound_when_most_of_its_calls_host_time_exceeds_device_time():

@@ -244,11 +244,13 @@ class _Run:
         return run
 
 
-def speed_verdict(calls: dict[str, list[float]], min_speedup: float | None = None, host_bound: bool = False) -> Verdict:
+def speed_verdict(calls: dict[str, list[float]], min_speedup: float | None = None, host_bound: bool = False,
+                  cpu_device: bool = False) -> Verdict:
     """Gate 2's statistics on per-call times (a run's `per_call`): the paired per-round
-    ratios, their interval, the A/A noise floor (`host_bound`: verdict.HOST_BOUND_FLOOR)."""
+    ratios, their interval, the A/A noise floor (`host_bound`: verdict.HOST_BOUND_FLOOR;
+    `cpu_device`: verdict.CPU_DEVICE_FLOOR)."""
     return judge_speed(calls["reference"], calls["candidate"], calls.get(AA), calls.get(BB), min_speedup=min_speedup,
-                       host_bound=host_bound)
+                       host_bound=host_bound, cpu_device=cpu_device)
 
 
 def decided_by(min_speedup: float | None) -> Callable[[dict[str, list[float]]], bool]:

@@ -293,7 +293,8 @@ class Judge:
             if claimed <= 0:
                 raise Ended("rejected", "the candidate's worker claimed calls that took no time: its timings were "
                                         "forged", defences=("timing_claims",))
-            verdict = speed_verdict(run.per_call, self.min_speedup, run.clock == "cuda_events" and host_bound(run.profile))
+            cuda = self._device_info().is_cuda
+            verdict = speed_verdict(run.per_call, self.min_speedup, cuda and host_bound(run.profile), cpu_device=not cuda)
             excess, allowed, noise = check.excess_ms(gaps, claimed)
             claims = {"median_gap_ms": {name: statistics.median(g) for name, g in gaps.items()},
                       "excess_ms": excess, "allowed_ms": allowed, "noise_ms": noise, "passes": attempt + 1}
@@ -379,7 +380,7 @@ class Judge:
 
         def decided(calls: dict[str, list[float]]) -> bool:
             bounded = cuda and host_bound(call_profiles(raw, ["reference", "candidate"], TRUSTED))
-            return speed_verdict(calls, self.min_speedup, bounded).decided
+            return speed_verdict(calls, self.min_speedup, bounded, cpu_device=not cuda).decided
 
         stopper = StopRule(config, names, host=False, decided=decided, trusted=TRUSTED)
         mutates = bool(self.setup.get("mutates_inputs"))

@@ -54,6 +54,12 @@ MIN_NOISE_FLOOR = 0.01  # 1%: identical code measured within +-1% on the H100 (b
 # (30 runs); two bare processes on one CPU 0.96-1.05x (24 pairs). 2026-11-28,
 # benchmarks/results/nvidia-h200/identity-sample-pinned.txt, cpu-placement-study.txt.
 HOST_BOUND_FLOOR = 0.10
+# On a CPU device both sides' calls are host work, in two processes that share the machine's
+# cores with each other and with the judge (the workers are held to one CPU only on a GPU
+# machine). The identity vector_add read 0.837-1.162x over six judge runs on the 2-core
+# development machine (2026-11-29, benchmarks/results/cpu-2core/judge-tails-cpu.txt): two of
+# six would have passed a 10% floor. A CPU verdict is for developing a candidate, not a figure.
+CPU_DEVICE_FLOOR = 0.20
 HOST_BOUND_SHARE = 0.5  # a side is host-bound when more than this share of its calls' host time exceeded device time
 MIN_ROUNDS = 6  # the fewest ratios whose order statistics give a 95% interval at all
 
@@ -98,6 +104,7 @@ class Verdict:
     undecided: bool  # a tie whose interval still crosses a boundary: more rounds might decide it
     bb_ratio: float | None = None  # median candidate / candidate_bb (None: one candidate call a round)
     host_bound: bool = False  # the floor is at least HOST_BOUND_FLOOR: a side's calls were bounded by its host
+    cpu_device: bool = False  # the floor is at least CPU_DEVICE_FLOOR: two processes timed on a CPU device
 
     @property
     def decided(self) -> bool:
@@ -111,7 +118,9 @@ class Verdict:
             return f"slower: {interval}, below {1 / (1 + self.noise_floor):.3f}x"
         why = ("the time budget ran out before the interval was narrow enough: a longer --time-budget may decide it"
                if self.undecided else f"within the noise floor of {self.noise_floor:.1%}"
-               + (" (host-bound calls: two processes of the same code differ by up to that)" if self.host_bound else ""))
+               + (" (on a CPU device: two processes of the same code differ by up to that)" if self.cpu_device
+                  else " (host-bound calls: two processes of the same code differ by up to that)" if self.host_bound
+                  else ""))
         return f"not measurably different: {interval}; {why}"
 
     def to_dict(self) -> dict:
@@ -137,16 +146,18 @@ def round_ratios(reference: Sequence[float], candidate: Sequence[float], again: 
 
 def judge_speed(reference: Sequence[float], candidate: Sequence[float], again: Sequence[float] | None = None,
                 candidate_again: Sequence[float] | None = None, *, min_speedup: float | None = None,
-                min_noise_floor: float = MIN_NOISE_FLOOR, host_bound: bool = False) -> Verdict:
+                min_noise_floor: float = MIN_NOISE_FLOOR, host_bound: bool = False,
+                cpu_device: bool = False) -> Verdict:
     """The verdict from per-round times (ms) of the reference, the candidate, the
     reference's A/A call and the candidate's second call, all of the same rounds, in order.
     `host_bound`: the two sides ran in two processes and a side's calls were bounded by
-    its host; the floor is then at least HOST_BOUND_FLOOR."""
+    its host; the floor is then at least HOST_BOUND_FLOOR. `cpu_device`: the two processes
+    ran on a CPU device; the floor is then at least CPU_DEVICE_FLOOR."""
     ratios = round_ratios(reference, candidate, again, candidate_again)
     if not ratios:
         raise ValueError("no timed rounds")
     aa_ratio = None
-    floor = max(min_noise_floor, HOST_BOUND_FLOOR) if host_bound else min_noise_floor
+    floor = max(min_noise_floor, HOST_BOUND_FLOOR if host_bound else 0.0, CPU_DEVICE_FLOOR if cpu_device else 0.0)
     if again:
         aa_ratio = statistics.median(paired_ratios(reference, again))
         floor = max(floor, abs(aa_ratio - 1.0))
@@ -164,7 +175,8 @@ def judge_speed(reference: Sequence[float], candidate: Sequence[float], again: S
         status, undecided = "tie", not (low >= slow_bar and high <= bar)
     bb_ratio = statistics.median(paired_ratios(candidate, candidate_again)) if candidate_again else None
     return Verdict(status=status, speedup=speedup, low=low, high=high, noise_floor=floor, aa_ratio=aa_ratio,
-                   bar=bar, rounds=len(ratios), undecided=undecided, bb_ratio=bb_ratio, host_bound=host_bound)
+                   bar=bar, rounds=len(ratios), undecided=undecided, bb_ratio=bb_ratio, host_bound=host_bound,
+                   cpu_device=cpu_device)
 
 
 def escape_probability(cheat_fraction: float, recheck_fraction: float, calls: int, always_checked: int = 4) -> float:
