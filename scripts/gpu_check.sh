@@ -28,6 +28,8 @@
 #                   one-launch decode attention, the engine's graphs; then decode_profile.py fused and --unfused,
 #                   alternating, twice, in DECODE_WEIGHTS, default bf16; a quantized format also runs with
 #                   --quantize-head)
+#   decode-ab   (scripts/decode_ab.py: the decode step with FUSED_DECODE on and off in one process, alternating
+#                rounds, in DECODE_AB_WEIGHTS, default "bf16 w4a16 fp8")
 #   judge-tails   (scripts/judge_tails.py: the judge's raw clocks, the synchronize's tail past each call's stream)
 #   decode-sweep   (scripts/paged_decode_sweep.py: batch-1 decode attention's partitions and reduces as a step runs
 #                   them, 32 calls in a graph)
@@ -325,6 +327,12 @@ if [[ $parts == *" decode-fused "* ]]; then
         echo "$weights head quantized run $run: $(grep -m1 "^# step" "$out/decode-$weights-head-$run.txt")"
       fi
     done
+  done
+fi
+if [[ $parts == *" decode-ab "* ]]; then
+  for weights in ${DECODE_AB_WEIGHTS:-bf16 w4a16 fp8}; do
+    python3 scripts/decode_ab.py --model llama3-8b --weights $weights 2>&1 | grep -v "UserWarning\|_warn_once" \
+      | tee "$out/decode-ab-$weights.txt" | tail -2
   done
 fi
 if [[ $parts == *" decode-sweep "* ]]; then
