@@ -104,3 +104,21 @@ def test_a_reference_that_changes_its_inputs_holds_the_candidate_to_the_same(wri
         assert record.status == "passed" and record.gate2["rechecked_rounds"] > 1, record.reason
     else:
         assert record.status == "incorrect" and record.gate1["failure"] == "mutated_inputs", record.reason
+
+
+def test_the_judge_holds_a_cpu_device_to_its_floor_and_the_in_process_path_does_not(cpu, cpu_ceilings):
+    """A 1.15x win, scripted: a tie under the judge on a CPU device (two processes there differ by
+    up to that, verdict.CPU_DEVICE_FLOOR), passed in one process, whose own A/A pair sees its noise."""
+    from kforge.harness.evaluate import evaluate
+    from kforge.harness.verdict import CPU_DEVICE_FLOOR
+
+    problem, candidate = FIXTURES / "problems" / "row_sums.py", FIXTURES / "candidates" / "vectorized_row_sums.py"
+    judged = evaluate_isolated(problem, candidate, timing=scripted_timing(speedup=1.15), ceilings=cpu_ceilings,
+                               size="full", device_name=cpu.name)
+    verdict = judged.gate2["verdict"]
+    assert judged.status == "tie" and verdict["cpu_device"], judged.reason
+    assert verdict["noise_floor"] == CPU_DEVICE_FLOOR
+    assert "on a CPU device" in judged.reason
+    alone = evaluate(problem, candidate, timing=scripted_timing(speedup=1.15), ceilings=cpu_ceilings, size="full",
+                     device=cpu)
+    assert alone.status == "passed" and not alone.gate2["verdict"]["cpu_device"], alone.reason

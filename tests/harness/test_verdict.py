@@ -7,8 +7,8 @@ import pytest
 
 from kforge.harness.suite import SuiteRow, fast, summarize, Pair
 from kforge.harness.timing import StopRule, TimingConfig
-from kforge.harness.verdict import (CPU_DEVICE_FLOOR, HOST_BOUND_FLOOR, escape_probability, judge_speed, median_interval,
-                                    round_ratios)
+from kforge.harness.verdict import (CPU_DEVICE_FLOOR, HOST_BOUND_FLOOR, escape_probability, judge_speed,
+                                    median_interval, round_ratios)
 
 
 def _noisy(base_ms: float, n: int, spread: float, seed: int) -> list[float]:

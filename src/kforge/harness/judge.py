@@ -294,7 +294,8 @@ class Judge:
                 raise Ended("rejected", "the candidate's worker claimed calls that took no time: its timings were "
                                         "forged", defences=("timing_claims",))
             cuda = self._device_info().is_cuda
-            verdict = speed_verdict(run.per_call, self.min_speedup, cuda and host_bound(run.profile), cpu_device=not cuda)
+            verdict = speed_verdict(run.per_call, self.min_speedup, cuda and host_bound(run.profile),
+                                    cpu_device=not cuda)
             excess, allowed, noise = check.excess_ms(gaps, claimed)
             claims = {"median_gap_ms": {name: statistics.median(g) for name, g in gaps.items()},
                       "excess_ms": excess, "allowed_ms": allowed, "noise_ms": noise, "passes": attempt + 1}
