@@ -107,7 +107,7 @@ def compare(model, switch: str, *, batch: int, prompt: int, rounds: int, steps: 
                 timed[setting] = time_steps(engines[setting].step, steps=steps, warmup=warmup, cuda=cuda)
         a_ms.append(timed[True].median_ms)
         b_ms.append(timed[False].median_ms)
-    for setting, rows in requests.items():  # a row that stopped early (an EOS) would shrink the later steps
+    for rows in requests.values():  # a row that stopped early (an EOS) would shrink the later steps
         if any(len(r.output) != tokens for r in rows):
             raise RuntimeError(f"a request generated {min(len(r.output) for r in rows)} tokens, not {tokens}")
     ratios = [b / a for a, b in zip(a_ms, b_ms)]

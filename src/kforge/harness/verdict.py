@@ -28,9 +28,9 @@ The noise floor is what the apparatus shows for two identical calls: |median(aa)
 never less than MIN_NOISE_FLOOR; for calls the host bounds (launch-bound networks, timed
 across the judge's two processes), never less than HOST_BOUND_FLOOR, a difference the A/A
 pair cannot see because both its calls are one process's; on a CPU device, where both sides'
-calls are host work in two processes sharing the machine, never less than CPU_DEVICE_FLOOR. A difference smaller than the
-floor is not evidence. (The B/B
-ratio is the candidate's own and decides nothing.) Then
+calls are host work in two processes sharing the machine, never less than CPU_DEVICE_FLOOR. A
+difference smaller than the floor is not evidence. (The B/B ratio is the candidate's own and
+decides nothing.) Then
 
     faster  if  low  > bar,       bar = max(min_speedup, 1 + floor)
     slower  if  high < 1 / (1 + floor)
