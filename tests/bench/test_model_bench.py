@@ -51,7 +51,8 @@ def test_the_whole_bench_runs_on_the_tiny_preset(tmp_path):
     records = read_records(results)
     methods = [(r["part"], r["method"], r["status"]) for r in records]
     assert methods == [("decode", "ours bf16", "ok"), ("decode", "transformers", "ok"), ("decode", "compiled", "ok"),
-                       ("decode", "ours w4a16", "error"), ("decode", "ours fp8", "error"),
+                       ("decode", "ours w4a16", "error"), ("decode", "ours w4a16, head w4a16", "error"),
+                       ("decode", "ours fp8", "error"), ("decode", "ours fp8, head fp8", "error"),
                        ("batch", "ours bf16", "ok"), ("batch", "compiled", "ok"),
                        ("prefill", "ours bf16", "ok"), ("prefill", "transformers", "ok"),
                        ("prefill", "compiled", "ok"), ("trace", "ours bf16", "ok")]
@@ -89,7 +90,8 @@ def test_quantized_formats_run_every_part_and_a_failing_method_is_recorded(monke
     lines = []
     records = bench.ModelBench(options, results=None, config=QUANTIZABLE, log=lines.append).run()
     status = {(r["part"], r["method"]): r["status"] for r in records}
-    assert status == {("decode", "ours w4a16"): "ok", ("decode", "ours fp8"): "ok", ("decode", "ours bf16"): "ok",
+    assert status == {("decode", "ours w4a16"): "ok", ("decode", "ours w4a16, head w4a16"): "ok",
+                      ("decode", "ours fp8"): "ok", ("decode", "ours fp8, head fp8"): "ok", ("decode", "ours bf16"): "ok",
                       ("decode", "transformers"): "error", ("decode", "compiled"): "ok",
                       ("batch", "ours w4a16"): "ok", ("batch", "compiled"): "ok",
                       ("prefill", "ours w4a16"): "ok", ("prefill", "transformers"): "error",
@@ -101,6 +103,10 @@ def test_quantized_formats_run_every_part_and_a_failing_method_is_recorded(monke
     assert set(w4.vs) == {"compiled", "transformers", "ours bf16"} and w4.vs["transformers"] is None
     assert w4.vs["ours bf16"] == pytest.approx(w4.tok_s / rows[("decode", "ours bf16")].tok_s)
     assert rows[("batch", "ours w4a16")].vs["compiled"] is not None
+    for fmt in ("w4a16", "fp8"):  # the head's bytes in the format: the same blocks, a smaller floor
+        blocks, head = rows[("decode", f"ours {fmt}")].figures, rows[("decode", f"ours {fmt}, head {fmt}")].figures
+        assert 0 < head["weight_bytes"] < blocks["weight_bytes"]
+        assert rows[("decode", f"ours {fmt}, head {fmt}")].vs["ours bf16"] is not None
     assert any("decode ours fp8: start" in line for line in lines)
 
 

@@ -21,7 +21,8 @@ from kforge import ops
 from kforge.errors import ModelError
 from kforge.models.engine import Engine
 from kforge.models.llama import Batch, KVCache, LlamaConfig, from_pretrained, random_model
-from kforge.models.llama.quantize import LINEAR_WEIGHTS, Fp8Weight, Int4Weight, quantize_model, weight_bytes
+from kforge.models.llama.quantize import (LINEAR_WEIGHTS, Fp8Weight, Int4Weight, quantize_head, quantize_model,
+                                           weight_bytes)
 from kforge.models.sampling import SamplingParams
 
 CONFIG = LlamaConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256, max_position=256)
@@ -86,6 +87,15 @@ def test_a_quantized_head_costs_a_measured_step_of_quality_and_its_bytes_go(fmt,
     assert relative > quality(prompt_logits(blocks_only, PROMPT), references["fp32"])[0], "the head's error adds"
     head = blocks_only.head_weight()
     assert weight_bytes(blocks_only) - weight_bytes(with_head) == head.nbytes - with_head.head_q.nbytes > 0
+
+
+@pytest.mark.parametrize("fmt", ["w4a16", "fp8"])
+def test_quantize_head_on_a_quantized_model_gives_the_loaded_with_head_logits(fmt):
+    loaded = random_model(CONFIG, weights=fmt, quantize_head=True)
+    later = quantize_head(random_model(CONFIG, weights=fmt), fmt)
+    assert torch.equal(prompt_logits(later, PROMPT), prompt_logits(loaded, PROMPT))
+    with pytest.raises(ModelError, match="quantize_head needs a quantized format"):
+        quantize_head(random_model(CONFIG, weights=fmt), "bf16")
 
 
 def test_a_head_is_quantized_only_in_a_quantized_format():

@@ -4,7 +4,8 @@ baseline, on one preset's random weights (nothing is downloaded), all in one run
 Four parts, each skippable (`--parts`):
 
 - decode: batch 1, a random prompt of `prompt` tokens prefilled, then `warmup` untimed and
-  `steps` timed decode steps. Ours (`Engine`, in every `--weights` format) against
+  `steps` timed decode steps. Ours (`Engine`, in every `--weights` format; a quantized format
+  timed again with its LM head quantized too, `quantize.quantize_head`) against
   transformers' `LlamaForCausalLM` on the same bf16 weights with its static cache (a manual
   loop of forward calls, eager) and `StaticCacheLlama.compiled_decode()` (torch.compile).
 - batch: `batch` sequences decoding at once near `context` tokens each; ours against the
@@ -56,7 +57,7 @@ import torch
 from kforge.errors import KforgeError
 from kforge.harness.record import append_record
 from kforge.models.llama.config import PRESETS, LlamaConfig
-from kforge.models.llama.quantize import FORMATS
+from kforge.models.llama.quantize import FORMATS, quantize_head
 
 PARTS = ("decode", "batch", "prefill", "trace")
 BASELINES = ("transformers", "compiled")
@@ -466,6 +467,9 @@ class ModelBench:
         prompt = _random_ids(s.prompt, self.config.vocab_size, self.options.seed)
         for fmt in self.options.weights:
             methods = [(f"ours {fmt}", lambda m: self._decode_ours(m, prompt))]
+            if fmt != "bf16":  # then the same model with its LM head in the format too, as gpt-fast quantizes it
+                methods.append((f"ours {fmt}, head {fmt}", lambda m, fmt=fmt: self._decode_ours(
+                    quantize_head(m, fmt), prompt)))
             if fmt == "bf16":
                 methods += [(b, lambda m, b=b: self._decode_baseline(b, m, prompt)) for b in self.options.baselines]
             self._with_model(fmt, "decode", methods)

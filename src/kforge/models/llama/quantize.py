@@ -89,8 +89,8 @@ def quantize_model(model: Llama, fmt: str, *, head: bool = False) -> Llama:
             raise ModelError("quantize_head needs a quantized format (w4a16 or fp8), not bf16")
         return model
     multiple = INT4_GROUP if fmt == "w4a16" else FP8_BLOCK
-    if head and model.config.dim % multiple:
-        raise ModelError(f"the LM head's input dimension {model.config.dim}: {fmt} needs a multiple of {multiple}")
+    if head:
+        _check_head(model, fmt)
     for i, block in enumerate(model.layers):
         for name in LINEAR_WEIGHTS:
             weight = getattr(block, name)
@@ -107,6 +107,24 @@ def quantize_model(model: Llama, fmt: str, *, head: bool = False) -> Llama:
     if head:
         model.head_q = _quantize(model.head_weight().detach(), fmt)
     return model
+
+
+def quantize_head(model: Llama, fmt: str) -> Llama:
+    """Give `model` a `fmt` copy of its LM head (`Llama.head_q`), its blocks as they are: what
+    `quantize_model(..., head=True)` adds, for a model already quantized (`kforge bench model`
+    times one model's decode with and without it)."""
+    check_format(fmt, model.embed.dtype)
+    if fmt == "bf16":
+        raise ModelError("quantize_head needs a quantized format (w4a16 or fp8), not bf16")
+    _check_head(model, fmt)
+    model.head_q = _quantize(model.head_weight().detach(), fmt)
+    return model
+
+
+def _check_head(model: Llama, fmt: str) -> None:
+    multiple = INT4_GROUP if fmt == "w4a16" else FP8_BLOCK
+    if model.config.dim % multiple:
+        raise ModelError(f"the LM head's input dimension {model.config.dim}: {fmt} needs a multiple of {multiple}")
 
 
 def _quantize(weight: torch.Tensor, fmt: str) -> Int4Weight | Fp8Weight:
