@@ -17,7 +17,7 @@ from rich.console import Console
 from kforge.errors import KforgeError
 from kforge.kernels import abstraction
 from kforge.kernels.abstraction import Level, levels, lines_of_code
-from kforge.kernels.abstraction.compiling import CompileReport, measure
+from kforge.kernels.abstraction.compiling import CompileReport, measure, shuffles_branched_around
 from kforge.ladder import abstraction_rows, get_ladder
 from kforge.views import abstraction_view
 
@@ -83,13 +83,69 @@ def test_cute_gemm_compiles_from_torch_tensors_as_it_does_on_the_gpu():
         cute_gemm.gemm(a[:, :260].contiguous(), b[:260])
 
 
-@pytest.mark.parametrize("tool", ["tilelang", "gluon", "cuda"])
+@pytest.mark.parametrize("tool", ["tilelang", "gluon", "cute", "cuda"])
 @pytest.mark.slow
 def test_softmax_levels_compile_to_16_byte_accesses_without_spills(tool):
     report = measure(compilable("softmax", tool), 128256)
     assert report.error is None and report.spills == 0
     assert report.sass["ldg128"] >= 2 and report.sass["stg128"] >= 1  # both passes' loads, pass 2's store
     assert report.sass["wgmma"] == 0
+    assert report.sass["shfl_branched_around"] == 0  # a shuffle under `lane == 0` hangs the warp
+
+
+# The CuTe DSL softmax's first build (38676b2) as ptxas laid out its cross-warp reduction: the warp
+# index, a full-warp shuffle, read under `lane == 0`; it hung on the H200. Then the fixed build.
+HUNG_REDUCTION = """
+        /*05a0*/                   ISETP.NE.U32.AND P0, PT, R21, RZ, PT ;
+        /*05c0*/               @P0 BRA 0x620 ;
+        /*05d0*/                   SHF.R.U32.HI R17, RZ, 0x5, R2 ;
+        /*05e0*/                   WARPSYNC.ALL ;
+        /*05f0*/                   SHFL.IDX PT, R17, R17, RZ, 0x1f ;
+        /*0610*/                   STS [R21], R26 ;
+        /*0620*/                   WARPSYNC.ALL ;
+        /*0630*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0650*/                   SHFL.BFLY PT, R21, R28, 0x8, 0x1f ;
+"""
+FIXED_REDUCTION = """
+        /*05f0*/                   SHFL.BFLY PT, R26, R21, 0x1, 0x1f ;
+        /*0610*/              @!P0 STS [R16], R29 ;
+        /*0620*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0650*/                   SHFL.BFLY PT, R21, R28, 0x8, 0x1f ;
+        /*0c80*/               @P0 BRA 0xcd0 ;
+        /*0cc0*/                   BRA 0xd10 ;
+        /*0d00*/                   BRA 0x0c80 ;
+"""
+
+
+def test_a_shuffle_that_a_predicated_branch_skips_is_counted():
+    assert shuffles_branched_around(HUNG_REDUCTION) == 1
+    assert shuffles_branched_around(FIXED_REDUCTION) == 0
+    # a backward branch (a loop) skips nothing; a shuffle past the branch's target is reached by all
+    assert shuffles_branched_around(HUNG_REDUCTION.replace("BRA 0x620", "BRA 0x500")) == 0
+    assert shuffles_branched_around(HUNG_REDUCTION.replace("BRA 0x620", "BRA 0x5f0")) == 0
+
+
+def test_cute_softmax_fills_the_sm_with_32_registers_a_thread_where_cute_dsl_is_installed():
+    cute_level = compilable("softmax", "cute")
+    from kforge.kernels.abstraction import cute_softmax
+
+    report = measure(cute_level, 128256)
+    assert report.error is None and report.spills == 0
+    # the launch bounds: 4 CTAs of 512 threads (every thread an SM holds) fit its 64K registers
+    assert report.registers * cute_softmax.THREADS * cute_softmax.CTAS_PER_SM <= 65536
+
+
+def test_cute_softmax_compiles_from_torch_tensors_as_it_does_on_the_gpu():
+    compilable("softmax", "cute")
+    import cuda.bindings.driver as cuda
+
+    from kforge.kernels.abstraction import cute_softmax
+
+    # an odd row count, rows ending in a part of a CTA's sweep: the path `softmax` takes, short of the launch
+    x = torch.empty(37, 4104, dtype=torch.bfloat16)
+    assert callable(cute_softmax.compiled_for(x, torch.empty_like(x), cuda.CUstream(0), arch="sm_90a"))
+    with pytest.raises(ValueError, match="multiple of 8 columns"):
+        cute_softmax.softmax(x[:, :4100].contiguous())
 
 
 def test_a_compile_that_fails_is_one_line_in_the_report_not_an_exception():
@@ -275,6 +331,32 @@ def test_every_softmax_level_matches_torch_on_the_gpu(tool, shape):
         pytest.skip(this.missing())
     x = (2 * torch.randn(shape, device="cuda")).to(torch.bfloat16)
     torch.testing.assert_close(this.run(x).float(), torch.softmax(x.float(), dim=-1), rtol=1e-2, atol=1e-9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(5, 4104), (7, 4088), (129, 8), (1, 128264)])
+def test_cute_softmax_matches_float32_on_odd_shapes_on_the_gpu(shape):
+    this = level("softmax", "cute")
+    if this.missing():
+        pytest.skip(this.missing())
+    # a sweep and one vector, less than a sweep, one vector a row, a long row ending in a partial sweep
+    x = (3 * torch.randn(shape, device="cuda")).to(torch.bfloat16)
+    for _ in range(2):  # the second call runs the kernel compiled for this shape by the first
+        torch.testing.assert_close(this.run(x).float(), torch.softmax(x.float(), dim=-1), rtol=1e-2, atol=1e-9)
+    rest = x[1:]  # a view from the second row on: contiguous, its rows still 16-byte aligned
+    torch.testing.assert_close(this.run(rest).float(), torch.softmax(rest.float(), dim=-1), rtol=1e-2, atol=1e-9)
+
+
+@pytest.mark.gpu
+def test_cute_softmax_rejects_what_its_16_byte_vectors_cannot_read_on_the_gpu():
+    this = level("softmax", "cute")
+    if this.missing():
+        pytest.skip(this.missing())
+    x = torch.zeros(4, 32, dtype=torch.bfloat16, device="cuda")
+    # fp32; 1-D; rows 64 bytes apart, not contiguous; 12 columns; rows 8 bytes off 16-byte alignment
+    for bad in (x.float(), x[0], x[:, :16], x[:, :12].contiguous(), x.flatten()[4:124].view(15, 8)):
+        with pytest.raises(ValueError, match=r"^cute_softmax: needs a contiguous, 16-byte aligned 2-D bf16 tensor"):
+            this.run(bad)
 
 
 @pytest.mark.gpu

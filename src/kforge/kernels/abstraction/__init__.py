@@ -258,6 +258,18 @@ def _cute_gemm_compile(size: int):
     return compiled(size, size, size)
 
 
+def _cute_softmax(x: torch.Tensor) -> torch.Tensor:
+    from kforge.kernels.abstraction.cute_softmax import softmax
+
+    return softmax(x)
+
+
+def _cute_softmax_compile(size: int):
+    from kforge.kernels.abstraction.cute_softmax import compiled
+
+    return compiled(size)
+
+
 def _cute_cubin(compiled) -> bytes:
     """The cubin `cute.compile` kept (`--keep-cubin`) in its artifacts."""
     return compiled.artifacts.CUBIN
@@ -282,5 +294,7 @@ LEVELS: tuple[Level, ...] = (
     Level("tilelang", "softmax", HERE / "tilelang_softmax.py", _tilelang_softmax, _tilelang_softmax_compile,
           _TILELANG_CONTROLS, package="tilelang", extra="tilelang", cubin_of=_tilelang_cubin),
     Level("gluon", "softmax", HERE / "gluon_softmax.py", _gluon_softmax, _gluon_softmax_cubin, _GLUON_CONTROLS),
+    Level("cute", "softmax", HERE / "cute_softmax.py", _cute_softmax, _cute_softmax_compile, _CUTE_CONTROLS,
+          package="cutlass", extra="cute", cubin_of=_cute_cubin),
     Level("cuda", "softmax", CUDA_SOFTMAX_SOURCE, _cuda_softmax, _cuda_softmax_cubin, _CUDA_CONTROLS),
 )

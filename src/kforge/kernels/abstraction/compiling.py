@@ -27,12 +27,28 @@ SASS_COUNTS = {"wgmma": r"\bHGMMA\b", "tma_loads": r"\bUTMALDG\b", "tma_stores":
                "setmaxnreg": r"\bUSETMAXREG\b"}
 
 
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_BRANCH = re.compile(r"^@!?U?P\w+\s+BRA\s+(?:`?\(?\.?\w*\)?\s*)?0x([0-9a-f]+)")
+
+
+def shuffles_branched_around(text: str) -> int:
+    """SHFL instructions that a predicated forward branch jumps over. A full-warp shuffle must be
+    reached by every lane of the warp: where the predicate splits a warp (e.g. `lane == 0`), the
+    lanes that took the branch never arrive and the warp waits forever. (A warp-uniform predicate
+    is harmless, so this is a count to read, not a verdict; the softmax levels have none.)"""
+    lines = [(int(m.group(1), 16), m.group(2).strip()) for m in map(_LINE.search, text.splitlines()) if m]
+    skipped = [(address, int(b.group(1), 16)) for address, instruction in lines
+               if (b := _BRANCH.match(instruction)) and int(b.group(1), 16) > address]
+    return sum(1 for address, instruction in lines if re.match(r"^(?:@!?P\w+\s+)?SHFL\b", instruction)
+               and any(start < address < end for start, end in skipped))
+
+
 @dataclass(frozen=True)
 class CompileReport:
     seconds: float | None  # the compile call alone, from a cold cache
     registers: int | None = None  # the kernel's (the largest, if the cubin holds several)
     spills: int | None = None  # STL and LDL instructions in the SASS
-    sass: dict[str, int] | None = None  # SASS_COUNTS
+    sass: dict[str, int] | None = None  # SASS_COUNTS and shfl_branched_around
     error: str | None = None  # one line: why it did not compile
 
 
@@ -81,8 +97,9 @@ def _report(tool: str, kernel: str, size: int) -> CompileReport:
     cubin = Cubin(level.source, "sm_90a", (), "", level.cubin_of(built), "")
     used = max(resources(cubin).values(), key=lambda r: r.registers)
     text = sass(cubin)
-    return CompileReport(seconds, used.registers, len(re.findall(r"\b(?:STL|LDL)\b", text)),
-                         {name: len(re.findall(pattern, text)) for name, pattern in SASS_COUNTS.items()})
+    counts = {name: len(re.findall(pattern, text)) for name, pattern in SASS_COUNTS.items()}
+    counts["shfl_branched_around"] = shuffles_branched_around(text)
+    return CompileReport(seconds, used.registers, len(re.findall(r"\b(?:STL|LDL)\b", text)), counts)
 
 
 if __name__ == "__main__":
