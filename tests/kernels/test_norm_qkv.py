@@ -19,7 +19,7 @@ import triton
 
 from kforge.kernels.serving import gemv
 from kforge.kernels.serving.norm_qkv import (CONFIGS, DECODE_ROWS, check_norm_qkv_inputs, fold_norm_weight,
-                                             prefill_tile_width, rms_norm_qkv, rms_norm_qkv_min_bytes,
+                                             fused_fills_half_the_sms, prefill_tile_width, rms_norm_qkv, rms_norm_qkv_min_bytes,
                                              rms_norm_qkv_reference)
 from kforge.ops.norm_qkv import rms_norm_qkv as rms_norm_qkv_op
 
@@ -279,18 +279,45 @@ def test_the_prefill_takes_192_wide_tiles_only_where_256_would_leave_many_sms_id
     assert prefill_tile_width(17, 776, 132) == 192  # one row tile: 5 narrower tiles finish before 4 wide ones
 
 
+def test_a_few_rows_past_the_gemv_go_unfused_where_the_fused_tiles_would_leave_half_the_sms_idle():
+    # llama3-8b's QKV (6144 columns: 24 tiles a 128-row band) on 132 SMs
+    assert not fused_fills_half_the_sms(17, 6144, 132) and not fused_fills_half_the_sms(64, 6144, 132)
+    assert not fused_fills_half_the_sms(256, 6144, 132)  # 48 tiles: 84 SMs idle
+    assert fused_fills_half_the_sms(257, 6144, 132) and fused_fills_half_the_sms(4096, 6144, 132)  # 72 tiles
+    assert fused_fills_half_the_sms(17, 10240 * 4, 132)  # 160 tiles in one band
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [17, 64, 96])
+def test_decode_batches_past_the_gemv_take_the_norm_then_the_matmul(rows, monkeypatch):
+    from kforge import ops
+    from kforge.kernels import gemm_bf16
+
+    fused = []
+    real = gemm_bf16.gemm
+    monkeypatch.setattr(gemm_bf16, "gemm", lambda *a, **kw: fused.append(kw.get("norm_weight") is not None)
+                        or real(*a, **kw))
+    x, gamma, w = _inputs(rows, 6144, 4096, torch.bfloat16, "cuda")
+    want = expected(x, gamma, w, 1e-5)
+    got = rms_norm_qkv(x, gamma, w, 1e-5)
+    assert_matches(got, want, torch.bfloat16)
+    assert_matches(rms_norm_qkv(x, None, fold_norm_weight(gamma, w), 1e-5), want, torch.bfloat16)
+    assert True not in fused
+    assert torch.equal(got, ops.matmul(ops.rms_norm(x, gamma, 1e-5), w.t()))  # the unfused pair, bit for bit
+
+
 @pytest.mark.gpu
 def test_bf16_prefill_runs_on_the_gemm_ladder_with_the_norm_as_a_row_scale(monkeypatch):
-    """Over 16 bf16 rows on Hopper: rung 4 with its norm (NORM_A), gamma given or folded into
-    W; tails in M, N and K (TMA's zero fill past K adds no squares), several tiles a CTA; 128 x
-    256 tiles and (at 17 rows, and at 512 on 132 SMs) 128 x 192."""
+    """Over 16 bf16 rows on Hopper, where its tiles fill more than half the SMs: rung 4 with its
+    norm (NORM_A), gamma given or folded into W; tails in M, N and K (TMA's zero fill past K
+    adds no squares), several tiles a CTA; 128 x 256 tiles and (at 512 on 132 SMs) 128 x 192."""
     from kforge.kernels import gemm_bf16
 
     calls = []
     real = gemm_bf16.gemm
     monkeypatch.setattr(gemm_bf16, "gemm", lambda *a, **kw: calls.append(kw.get("norm_weight") is not None)
                         or real(*a, **kw))
-    for rows, n, k in ((17, 776, 1000), (300, 6144, 4096), (2000, 1032, 520), (512, 6144, 4096)):
+    for rows, n, k in ((2100, 776, 1000), (400, 6144, 4096), (2000, 1032, 520), (512, 6144, 4096)):
         x, gamma, w = _inputs(rows, n, k, torch.bfloat16, "cuda")
         want = expected(x, gamma, w, 1e-5)
         assert_matches(rms_norm_qkv(x, gamma, w, 1e-5), want, torch.bfloat16)

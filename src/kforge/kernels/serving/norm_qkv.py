@@ -11,7 +11,7 @@ squares of its rows while it streams them, so r costs no extra pass over x. The 
 rows never exist anywhere: HBM sees x read, W read, y written (`rms_norm_qkv_min_bytes`),
 where the eager pair (norm, then x_norm @ W^T) also writes x_norm and reads it back.
 
-Two paths by the number of rows M (tokens):
+The paths by the number of rows M (tokens):
 
 - Decode, M <= 16: the GEMV kernel of `gemv.py` with NORM=True, one kernel. W is the
   traffic (48 MB for Llama-3-8B's QKV, K = 4096 -> N = 6144); x is at most 16 rows, read
@@ -27,6 +27,9 @@ Two paths by the number of rows M (tokens):
   `gemm_bf16/triton_matmul.py`, 0.89x cuBLAS at 4096^3), keyed on the power of two
   above M, so a server's varying prompt lengths tune a handful of times, not once per
   length. ptxas (sm_90), 128 x 256 x 64 tiles, 8 warps: 220 registers, no spills.
+- A few rows more than the GEMV takes (a decode batch, on a GPU, where the fused GEMM's tiles
+  would fill less than half the SMs: up to 256 rows at llama3-8b's QKV): the norm, then
+  `ops.matmul`, unfused (`fused_fills_half_the_sms`).
 - Prefill in bf16 on Hopper (N, K multiples of 8, contiguous): the bf16 GEMM ladder's
   rung 4 instead (`_prefill_on_ladder`), its NORM_A build: the consumers take x from
   shared memory into registers with ldmatrix, multiply by gamma there (bf16, as the Triton
@@ -238,9 +241,25 @@ def prefill_tile_width(m: int, n: int, sms: int) -> int:
     return 192 if narrow_tile_fills_better(m, n, sms) else 256
 
 
+def fused_fills_half_the_sms(m: int, n: int, sms: int) -> bool:
+    """Whether the fused prefill's 128 x 256 tiles occupy more than half of `sms` SMs. Below that
+    (from the GEMV's 16 rows up to 256 at llama3-8b's 6144 columns: 24-48 tiles) each tile's CTA
+    streams its share of W alone and the fused GEMM is bandwidth-starved: on the H200 at 64 rows
+    it took 38.8 us for the 50 MB of W (1.3 TB/s) in a graphed llama3-8b batch step
+    (decode-profile-bf16-batch64.txt), so those rows take the norm, then `ops.matmul` (whose
+    dispatch table measured cuBLAS fastest at every such decode shape on the H200)."""
+    return 2 * math.ceil(m / 128) * math.ceil(n / 256) > sms
+
+
 def _prefill(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weight: torch.Tensor, eps: float,
              config: dict | None) -> torch.Tensor:
     (m, k), n = x.shape, qkv_weight.shape[0]
+    if config is None and n and x.is_cuda and not fused_fills_half_the_sms(
+            m, n, torch.cuda.get_device_properties(x.device).multi_processor_count):
+        from kforge import ops
+
+        gamma = norm_weight if norm_weight is not None else torch.ones(k, dtype=x.dtype, device=x.device)
+        return ops.matmul(ops.rms_norm(x, gamma, eps), qkv_weight.t())
     if config is None and n and _ladder_can_run(x, norm_weight, qkv_weight):
         return _prefill_on_ladder(x, norm_weight, qkv_weight, eps)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
