@@ -33,6 +33,10 @@
 #   judge-tails   (scripts/judge_tails.py: the judge's raw clocks, the synchronize's tail past each call's stream)
 #   decode-sweep   (scripts/paged_decode_sweep.py: batch-1 decode attention's partitions and reduces as a step runs
 #                   them, 32 calls in a graph)
+#   batch-decode   (llama3-8b at batch 64 x 4k: the skinny-M norm + QKV path's GPU tests, decode_profile.py
+#                   --batch 64 --prompt 4000, kforge bench model --parts batch against the compiled baseline;
+#                   scripts/paged_decode_batch_sweep.py, attention's tilings against SDPA over a dense cache)
+#   mla-sweep   (scripts/mla_decode_sweep.py: MLA decode's tiles, warps, stages and splits at FlashMLA's shapes)
 #   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
 #   moe-fp8-cuda   (the CUDA grouped FP8 GEMM's GPU tests first, under a 300 s timeout (a hung mbarrier must not
 #                   take the call), then scripts/moe_fp8_grouping_cost.py and kforge bench moe on the fp8 group)
@@ -337,6 +341,20 @@ if [[ $parts == *" decode-ab "* ]]; then
 fi
 if [[ $parts == *" decode-sweep "* ]]; then
   python3 scripts/paged_decode_sweep.py 2>&1 | tee "$out/paged-decode-sweep.txt"
+fi
+if [[ $parts == *" batch-decode "* ]]; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_norm_qkv.py 2>&1 | tail -3 \
+    | tee "$out/pytest-norm-qkv-gpu.txt"
+  python3 scripts/decode_profile.py --model llama3-8b --batch 64 --prompt 4000 2>&1 | grep -v "UserWarning\|_warn_once" \
+    > "$out/decode-profile-bf16-batch64.txt"
+  grep "^# step\|^layer\|^kernels" "$out/decode-profile-bf16-batch64.txt"
+  timeout 200 python3 -m kforge bench model --model llama3-8b --parts batch --compile-mode reduce-overhead \
+    --results "$out/bench-model-batch.jsonl" 2>&1 | grep -v "UserWarning\|_warn_once" | tee "$out/bench-model-batch.txt" \
+    | grep "batch ours\|batch compiled"
+  (cd scripts && python3 paged_decode_batch_sweep.py) 2>&1 | tee "$out/paged-decode-batch-sweep.txt" | tail -6
+fi
+if [[ $parts == *" mla-sweep "* ]]; then
+  (cd scripts && python3 mla_decode_sweep.py) 2>&1 | grep -v "UserWarning\|_warn_once" | tee "$out/mla-decode-sweep.txt"
 fi
 if [[ $parts == *" bench-model "* ]]; then
   timeout 540 python3 -m kforge bench model --model llama3-8b --parts "${BENCH_MODEL_PARTS:-decode,batch,trace,prefill}" \
