@@ -54,3 +54,22 @@ def profile_once(calls: dict) -> None:
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     print("profiled, in order:", "; ".join(calls))
+
+
+def checked_variants(variants, run, want: torch.Tensor, tolerance: float = 2e-2) -> dict:
+    """{name: call} for each (name, config) of `variants` whose `run(config)` is within
+    `tolerance` (max abs) of `want`; one that raises (e.g. out of shared memory) or is wrong
+    is printed and left out, so a sweep times the rest."""
+    fns = {}
+    for name, config in variants:
+        try:
+            got = run(config)
+        except Exception as error:  # noqa: BLE001 - any failure of one variant: say so, keep sweeping
+            print(f"  {name}: {type(error).__name__}: {str(error).splitlines()[0][:100]}")
+            continue
+        error = (got.float() - want.float()).abs().max().item()
+        if error > tolerance:
+            print(f"  {name}: wrong (max error {error:.3g}), not timed")
+            continue
+        fns[name] = lambda c=config: run(c)
+    return fns

@@ -20,7 +20,7 @@ import itertools
 
 import torch
 
-from device_timing import median_ms
+from device_timing import checked_variants, median_ms
 from kforge.kernels.mla.decode import mla_decode, plan_mla_decode
 
 BATCH, PAGE, D, D_V = 128, 64, 576, 512
@@ -56,18 +56,8 @@ def main():
               f"{default.block_m} N {default.block_n}, {default.num_warps} warps, {default.num_stages} stages, "
               f"{default.num_splits} splits")
         want, _ = mla_decode(q, cache, table, lens, validate=False)
-        fns = {}
-        for name, config in variants(s_k, h_q * s_q):
-            try:
-                got, _ = mla_decode(q, cache, table, lens, validate=False, config=config)
-            except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: say so, time the rest
-                print(f"  {name}: {type(error).__name__}: {str(error).splitlines()[0][:100]}")
-                continue
-            error = (got.float() - want.float()).abs().max().item()
-            if error > 2e-2:
-                print(f"  {name}: wrong (max error {error:.3g}), not timed")
-                continue
-            fns[name] = lambda c=config: mla_decode(q, cache, table, lens, validate=False, config=c)
+        fns = checked_variants(variants(s_k, h_q * s_q), lambda c: mla_decode(
+            q, cache, table, lens, validate=False, config=c)[0], want)
         times = median_ms(fns, 20)
         for name, ms in sorted(times.items(), key=lambda item: item[1]):
             print(f"  {name:<46} {ms * 1e3:8.1f} us {nbytes / ms / 1e6:7.0f} GB/s {flops / ms / 1e9:6.1f} TFLOP/s")

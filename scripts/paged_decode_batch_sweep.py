@@ -16,7 +16,7 @@ import kforge  # noqa: F401  (before triton)
 import torch
 import torch.nn.functional as F
 
-from device_timing import median_ms
+from device_timing import checked_variants, median_ms
 from kforge.kernels.serving.paged_decode import paged_decode, plan_decode
 
 BATCH, CONTEXT, KV_HEADS, Q_HEADS, HEAD_DIM, PAGE = 64, 4096, 8, 32, 128, 16
@@ -34,26 +34,16 @@ def main():
     table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(BATCH, pages_each)
     lens = torch.full((BATCH,), CONTEXT, device="cuda", dtype=torch.int32)
     nbytes = 2 * k.numel() * k.element_size()
-    default = plan_decode(BATCH, KV_HEADS, CONTEXT, HEAD_DIM, 2, torch.cuda.get_device_properties(0).multi_processor_count)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default = plan_decode(BATCH, KV_HEADS, CONTEXT, HEAD_DIM, 2, sms)
     print(f"batch {BATCH}, context {CONTEXT}: K and V {nbytes / 1e9:.2f} GB; plan_decode's default: BLOCK_N "
           f"{default.block_n}, partitions of {default.partition_size}, {default.num_warps} warps, "
           f"{default.num_stages} stages")
     want = paged_decode(q, k, v, table, lens, validate=False)
-    fns = {}
-    for variant in VARIANTS:
-        config = None if variant is None else dict(zip(("BLOCK_N", "partition_size", "num_warps", "num_stages"),
-                                                       variant))
-        name = "default" if variant is None else "BLOCK_N %d, partition %d, %d warps, %d stages" % variant
-        try:
-            got = paged_decode(q, k, v, table, lens, validate=False, config=config)
-        except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: say so, time the rest
-            print(f"  {name}: {type(error).__name__}: {str(error).splitlines()[0][:100]}")
-            continue
-        error = (got.float() - want.float()).abs().max().item()
-        if error > 2e-2:
-            print(f"  {name}: wrong (max error {error:.3g}), not timed")
-            continue
-        fns[name] = lambda c=config: paged_decode(q, k, v, table, lens, validate=False, config=c)
+    keys = ("BLOCK_N", "partition_size", "num_warps", "num_stages")
+    named = [("default", None)] + [("BLOCK_N %d, partition %d, %d warps, %d stages" % variant, dict(zip(keys, variant)))
+                                   for variant in VARIANTS[1:]]
+    fns = checked_variants(named, lambda c: paged_decode(q, k, v, table, lens, validate=False, config=c), want)
     # the compiled baseline's attention: a dense (batch, kv heads, context, head dim) cache, a boolean mask
     dense_k = k[table.flatten().long()].view(BATCH, pages_each, KV_HEADS, PAGE, HEAD_DIM).permute(0, 2, 1, 3, 4) \
         .reshape(BATCH, KV_HEADS, CONTEXT, HEAD_DIM).contiguous()
@@ -65,7 +55,8 @@ def main():
     error = (sdpa()[:, :, 0].float() - want.float()).abs().max().item()
     print(f"  SDPA over the dense cache: max error against ours {error:.3g}")
     fns["SDPA dense, mask (the compiled baseline's call)"] = sdpa
-    fns["SDPA dense, no mask"] = lambda: F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, enable_gqa=True)
+    fns["SDPA dense, no mask"] = lambda: F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v,
+                                                                        enable_gqa=True)
     times = median_ms(fns, 30)
     print("us a call, GB/s of K and V (median of 30, L2 flushed)")
     for name, ms in times.items():
