@@ -1102,9 +1102,9 @@ class Weights(str, Enum):
     fp8 = "fp8"
 
 
-def _load_llama(model: str, json_output: bool = False, weights: str = "bf16"):
+def _load_llama(model: str, json_output: bool = False, weights: str = "bf16", quantize_head: bool = False):
     """(model, tokenizer or None, "cuda" or "cpu") for --model: a preset's random weights or a checkpoint directory,
-    on the GPU when there is one, its linear weights in `weights`' format."""
+    on the GPU when there is one, its linear weights in `weights`' format (and its LM head, with `quantize_head`)."""
     import torch
 
     from kforge.errors import ModelError
@@ -1115,10 +1115,12 @@ def _load_llama(model: str, json_output: bool = False, weights: str = "bf16"):
     dtype = torch.bfloat16 if device == "cuda" or weights != "bf16" else torch.float32
     with working(f"loading {model}", json_output):
         if model in PRESETS:
-            return random_model(model, dtype=dtype, device=device, weights=weights), None, device
+            return random_model(model, dtype=dtype, device=device, weights=weights,
+                                quantize_head=quantize_head), None, device
         if not Path(model).exists():
             raise ModelError(f"{model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
-        return *from_pretrained(Path(model), dtype=dtype, device=device, weights=weights), device
+        return *from_pretrained(Path(model), dtype=dtype, device=device, weights=weights,
+                                quantize_head=quantize_head), device
 
 
 @app.command("generate")
@@ -1135,6 +1137,8 @@ def generate_command(
     seed: int = typer.Option(None, help="Sampling seed (default: random).", show_default=False),
     weights: Weights = typer.Option(Weights.bf16, help="Linear weights as bf16, INT4 group-128 (w4a16) or "
                                     "block-scaled FP8, quantized at load time."),
+    quantize_head: bool = typer.Option(False, "--quantize-head", help="The LM head in --weights' format too, as "
+                                       "gpt-fast quantizes it: fewer bytes a step, more error in the logits."),
     max_context: int = typer.Option(2048, min=16, help="KV cache length per request, in tokens."),
     json_output: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
@@ -1146,7 +1150,7 @@ def generate_command(
 
     if (prompt is None) == (prompt_ids is None):
         raise KforgeError("give exactly one of --prompt and --prompt-ids")
-    llm, tokenizer, device = _load_llama(model, json_output, weights.value)
+    llm, tokenizer, device = _load_llama(model, json_output, weights.value, quantize_head)
     if prompt_ids is not None:
         try:
             tokens = [int(t) for t in prompt_ids.split(",")]
@@ -1165,7 +1169,9 @@ def generate_command(
     text = engine.decode(request.output)
     ttft = request.token_times[0] - request.arrival
     decode_s = request.token_times[-1] - request.token_times[0]
-    result = {"model": model, "device": device, "prompt_tokens": len(request.prompt), "output_ids": request.output,
+    head = weights.value if llm.head_q is not None else str(llm.head.dtype).removeprefix("torch.")
+    result = {"model": model, "device": device, "weights": weights.value, "head": head,
+              "prompt_tokens": len(request.prompt), "output_ids": request.output,
               "text": text, "finish_reason": request.finish_reason, "ttft_s": ttft, "seconds": elapsed,
               "decode_tokens_per_s": (len(request.output) - 1) / decode_s if decode_s > 0 else None}
     if json_output:
@@ -1185,6 +1191,10 @@ def serve_command(
     port: int = typer.Option(8000, min=0, max=65535, help="Port to listen on (0: any free one)."),
     max_slots: int = typer.Option(8, min=1, help="Requests generating at once; more wait their turn."),
     max_context: int = typer.Option(2048, min=16, help="KV cache length per request (prompt + new tokens)."),
+    weights: Weights = typer.Option(Weights.bf16, help="Linear weights as bf16, INT4 group-128 (w4a16) or "
+                                    "block-scaled FP8, quantized at load time."),
+    quantize_head: bool = typer.Option(False, "--quantize-head", help="The LM head in --weights' format too, as "
+                                       "gpt-fast quantizes it: fewer bytes a step, more error in the logits."),
 ) -> None:
     """Serve the model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, streaming) until Ctrl-C."""
     import time
@@ -1192,7 +1202,7 @@ def serve_command(
     from kforge.models.engine import Engine
     from kforge.models.server import Server
 
-    llm, tokenizer, device = _load_llama(model)
+    llm, tokenizer, device = _load_llama(model, weights=weights.value, quantize_head=quantize_head)
     engine = Engine(llm, tokenizer=tokenizer, max_slots=max_slots,
                     max_context=min(max_context, llm.config.max_position))
     server = Server(engine, model_id=model, host=host, port=port)
@@ -1200,7 +1210,8 @@ def serve_command(
         server.start()
     except OSError as exc:
         raise KforgeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    print(f"serving {model} on {device} at {server.url} (Ctrl-C stops)", flush=True)
+    formats = "" if weights is Weights.bf16 else f" ({weights.value}{', head too' if quantize_head else ''})"
+    print(f"serving {model}{formats} on {device} at {server.url} (Ctrl-C stops)", flush=True)
     if tokenizer is None:
         err.print("note: no tokenizer: prompts must be token ids, and chat is refused", style="dim")
     try:
