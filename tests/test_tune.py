@@ -69,6 +69,25 @@ def test_the_table_keeps_the_fastest_faster_candidate_else_cublas():
     assert table.versions == {"torch": "2.11.0"}
 
 
+def test_a_win_on_host_bound_calls_is_no_win_unless_the_device_time_is_shorter_too():
+    def timed(m, candidate_device_ms):  # both sides' calls bounded by their hosts; the judge saw 1.08x
+        r = record(m, 6144, 4096, "rung 4", "passed", 1.08, layout="nk")
+        r["gate2"]["profile"] = {"reference": {"median_device_ms": 0.0182},
+                                 "candidate": {"median_device_ms": candidate_device_ms}}
+        return r
+
+    table = tune.table_from_records([timed(128, 0.0443), timed(256, 0.0170)], H100)
+    assert table.lookup(128, 6144, 4096, "nk").choice == tune.CUBLAS  # the H200's record: 44.3 us against 18.2
+    assert table.lookup(256, 6144, 4096, "nk").choice == "rung 4"
+
+
+def test_a_few_rows_with_no_entry_go_to_cublas_and_more_rows_to_the_rules():
+    assert tune.choose(64, 6144, 4096, "nk", "NVIDIA A100-SXM4-80GB", 108) is None
+    assert tune.choose(tune.SKINNY_ROWS, 4096, 14336, "nk", "NVIDIA A100-SXM4-80GB", 108) is None
+    assert tune.choose(tune.SKINNY_ROWS + 1, 4096, 14336, "nk", "NVIDIA A100-SXM4-80GB", 108) == \
+        best_kernel(tune.SKINNY_ROWS + 1, 4096, 14336, 108)
+
+
 def test_the_op_reads_the_users_table_and_keeps_the_rules_elsewhere(tmp_path):
     table = tune.table_from_records([record(4096, 4096, 4096, "rung 6", "passed", 1.04),
                                      record(1024, 1024, 1024, "rung 4", "slower", 0.84)], H100)

@@ -97,7 +97,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     layout = _layout(b)
     index = a.device.index
     choice = choose(a.shape[0], b.shape[1], a.shape[1], layout, _device_name(index), _sm_count(index))
-    if choice is None:  # this GPU's dispatch table measured cuBLAS faster at this shape (kforge tune gemm)
+    if choice is None:  # the dispatch table measured cuBLAS faster here, or a few rows with no entry (kforge.tune)
         return torch.matmul(a, b)
     step, defines = choice
     return gemm(a, b if layout == "kn" else b.t(), step, b_layout=layout, defines=defines)
