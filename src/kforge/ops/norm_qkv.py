@@ -6,8 +6,10 @@ in x's dtype. The norm's statistic and every sum are fp32. Up to 16 rows run the
 GEMV (one kernel, x * norm_weight rounded to x's dtype before the products, as eager rounds
 the normed rows). More rows run a prefill GEMM, one kernel that square-sums x and multiplies
 it by norm_weight as it streams it, 1/rms applied per output row at the end: in bf16 on
-Hopper the GEMM ladder's rung 4 (NORM_A), otherwise a Triton GEMM. Minimum HBM bytes: x,
-the weights and y once (`rms_norm_qkv_min_bytes`).
+Hopper the GEMM ladder's rung 4 (NORM_A), otherwise a Triton GEMM; except bf16 decode batches
+whose GEMM tiles would fill under half the SMs, which run the norm, then cuBLAS (the normed
+rows then do pass through HBM: `kernels/serving/norm_qkv.py`, `fused_fills_half_the_sms`).
+Minimum HBM bytes of the fused paths: x, the weights and y once (`rms_norm_qkv_min_bytes`).
 
 A `torch.library` custom op (inference only: no autograd formula). The kernels run for
 fp16/bf16/fp32 CUDA tensors on Hopper with contiguous rows (x is made contiguous if it is

@@ -27,9 +27,9 @@ The paths by the number of rows M (tokens):
   `gemm_bf16/triton_matmul.py`, 0.89x cuBLAS at 4096^3), keyed on the power of two
   above M, so a server's varying prompt lengths tune a handful of times, not once per
   length. ptxas (sm_90), 128 x 256 x 64 tiles, 8 warps: 220 registers, no spills.
-- A few rows more than the GEMV takes (a decode batch, on a GPU, where the fused GEMM's tiles
-  would fill less than half the SMs: up to 256 rows at llama3-8b's QKV): the norm, then
-  `ops.matmul`, unfused (`fused_fills_half_the_sms`).
+- A few bf16 rows more than the GEMV takes (a decode batch, on a GPU, where the fused GEMM's
+  tiles would fill less than half the SMs: up to 256 rows at llama3-8b's QKV): the norm, then
+  cuBLAS, unfused (`fused_fills_half_the_sms`; not yet run on a GPU).
 - Prefill in bf16 on Hopper (N, K multiples of 8, contiguous): the bf16 GEMM ladder's
   rung 4 instead (`_prefill_on_ladder`), its NORM_A build: the consumers take x from
   shared memory into registers with ldmatrix, multiply by gamma there (bf16, as the Triton
@@ -183,7 +183,8 @@ def rms_norm_qkv(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weight: 
 
     The result is (..., N) in x's dtype; r and every sum are fp32. norm_weight=None: gamma
     is folded into qkv_weight already (`fold_norm_weight`). Up to 16 rows run the decode
-    GEMV, more the prefill GEMM; `config` sets the tiles of the path that runs (GEMV:
+    GEMV, more the prefill GEMM (or, for a bf16 decode batch too small to fill the GPU with its
+    tiles, the norm then cuBLAS); `config` sets the tiles of the path that runs (GEMV:
     BLOCK_N, BLOCK_K, USE_DOT; GEMM: BM, BN, BK, GROUP_M, FLATTEN; both: num_warps,
     num_stages) and skips the autotuner: the CPU tests use it under the interpreter.
     """
@@ -245,21 +246,23 @@ def fused_fills_half_the_sms(m: int, n: int, sms: int) -> bool:
     """Whether the fused prefill's 128 x 256 tiles occupy more than half of `sms` SMs. Below that
     (from the GEMV's 16 rows up to 256 at llama3-8b's 6144 columns: 24-48 tiles) each tile's CTA
     streams its share of W alone and the fused GEMM is bandwidth-starved: on the H200 at 64 rows
-    it took 38.8 us for the 50 MB of W (1.3 TB/s) in a graphed llama3-8b batch step
-    (decode-profile-bf16-batch64.txt), so those rows take the norm, then `ops.matmul` (whose
-    dispatch table measured cuBLAS fastest at every such decode shape on the H200)."""
+    it took 38.5 us for the 50 MB of W (1.3 TB/s) in a graphed llama3-8b batch step
+    (decode-profile-bf16-batch64.txt), where cuBLAS read wo's 34 MB in 11.8 us. So bf16 rows
+    there take the norm, then cuBLAS (F.linear): cuBLAS's device time was the shorter at every
+    decode shape tuned on the H200 (tune-gemm.txt). The pair has not run on a GPU yet (150b0c6:
+    its GPU tests are written, `PARTS=batch-decode`)."""
     return 2 * math.ceil(m / 128) * math.ceil(n / 256) > sms
 
 
 def _prefill(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weight: torch.Tensor, eps: float,
              config: dict | None) -> torch.Tensor:
     (m, k), n = x.shape, qkv_weight.shape[0]
-    if config is None and n and x.is_cuda and not fused_fills_half_the_sms(
+    if config is None and n and x.is_cuda and x.dtype == torch.bfloat16 and not fused_fills_half_the_sms(
             m, n, torch.cuda.get_device_properties(x.device).multi_processor_count):
         from kforge import ops
 
         gamma = norm_weight if norm_weight is not None else torch.ones(k, dtype=x.dtype, device=x.device)
-        return ops.matmul(ops.rms_norm(x, gamma, eps), qkv_weight.t())
+        return F.linear(ops.rms_norm(x, gamma, eps), qkv_weight)
     if config is None and n and _ladder_can_run(x, norm_weight, qkv_weight):
         return _prefill_on_ladder(x, norm_weight, qkv_weight, eps)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
