@@ -123,6 +123,13 @@ def test_a_shuffle_that_a_predicated_branch_skips_is_counted():
     # a backward branch (a loop) skips nothing; a shuffle past the branch's target is reached by all
     assert shuffles_branched_around(HUNG_REDUCTION.replace("BRA 0x620", "BRA 0x500")) == 0
     assert shuffles_branched_around(HUNG_REDUCTION.replace("BRA 0x620", "BRA 0x5f0")) == 0
+    # the other conditional forms: a uniform predicate, the predicate as an operand, a divergent branch
+    for branch in ("@UP0 BRA.U 0x620", "BRA !UP0, 0x620", "@P0 BRA.DIV 0x620"):
+        assert shuffles_branched_around(HUNG_REDUCTION.replace("@P0 BRA 0x620", branch)) == 1, branch
+    assert shuffles_branched_around(HUNG_REDUCTION.replace("@P0 BRA 0x620", "BRA 0x620")) == 0  # every lane jumps
+    # addresses restart in each function: a branch of one skips nothing of the next
+    assert shuffles_branched_around("        Function : a\n        /*0010*/   @P0 BRA 0x100 ;\n"
+                                    "        Function : b\n        /*0050*/   SHFL.IDX PT, R1, R1, RZ, 0x1f ;\n") == 0
 
 
 def test_cute_softmax_fills_the_sm_with_32_registers_a_thread_where_cute_dsl_is_installed():
@@ -146,6 +153,8 @@ def test_cute_softmax_compiles_from_torch_tensors_as_it_does_on_the_gpu():
     assert callable(cute_softmax.compiled_for(x, torch.empty_like(x), cuda.CUstream(0), arch="sm_90a"))
     with pytest.raises(ValueError, match="multiple of 8 columns"):
         cute_softmax.softmax(x[:, :4100].contiguous())
+    with pytest.raises(ValueError, match="runs on a CUDA GPU, got a tensor on cpu"):
+        cute_softmax.softmax(x)
 
 
 def test_a_compile_that_fails_is_one_line_in_the_report_not_an_exception():
@@ -334,7 +343,7 @@ def test_every_softmax_level_matches_torch_on_the_gpu(tool, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(5, 4104), (7, 4088), (129, 8), (1, 128264)])
+@pytest.mark.parametrize("shape", [(5, 4104), (7, 4088), (129, 8), (2, 128264)])
 def test_cute_softmax_matches_float32_on_odd_shapes_on_the_gpu(shape):
     this = level("softmax", "cute")
     if this.missing():

@@ -28,19 +28,29 @@ SASS_COUNTS = {"wgmma": r"\bHGMMA\b", "tma_loads": r"\bUTMALDG\b", "tma_stores":
 
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
-_BRANCH = re.compile(r"^@!?U?P\w+\s+BRA\s+(?:`?\(?\.?\w*\)?\s*)?0x([0-9a-f]+)")
+_PREDICATE = r"@!?U?P\w+\s+"
+# a conditional branch: predicated (@P0 BRA, @!UP1 BRA.U) or with its predicate as an operand (BRA !UP0, 0x...)
+_BRANCH = re.compile(rf"^(?:(?P<guard>{_PREDICATE})?BRA(?:\.\w+)*\s+(?P<operand>!?U?P\w+\s*,\s*)?)0x([0-9a-f]+)")
+_SHUFFLE = re.compile(rf"^(?:{_PREDICATE})?SHFL\b")
 
 
 def shuffles_branched_around(text: str) -> int:
-    """SHFL instructions that a predicated forward branch jumps over. A full-warp shuffle must be
-    reached by every lane of the warp: where the predicate splits a warp (e.g. `lane == 0`), the
-    lanes that took the branch never arrive and the warp waits forever. (A warp-uniform predicate
-    is harmless, so this is a count to read, not a verdict; the softmax levels have none.)"""
-    lines = [(int(m.group(1), 16), m.group(2).strip()) for m in map(_LINE.search, text.splitlines()) if m]
-    skipped = [(address, int(b.group(1), 16)) for address, instruction in lines
-               if (b := _BRANCH.match(instruction)) and int(b.group(1), 16) > address]
-    return sum(1 for address, instruction in lines if re.match(r"^(?:@!?P\w+\s+)?SHFL\b", instruction)
-               and any(start < address < end for start, end in skipped))
+    """SHFL instructions that a conditional forward branch jumps over, in each function of the
+    SASS (addresses restart at each). A full-warp shuffle must be reached by every lane of the
+    warp: where the predicate splits a warp (e.g. `lane == 0`), the lanes that took the branch
+    never arrive and the warp waits forever. (A warp-uniform predicate is harmless, so this is a
+    count to read, not a verdict; the compiled softmax levels have none.)"""
+    count = 0
+    for function in re.split(r"\n\s*Function\s*:", text):
+        lines = [(int(m.group(1), 16), m.group(2).strip()) for m in map(_LINE.search, function.splitlines()) if m]
+        skipped = []
+        for address, instruction in lines:
+            branch = _BRANCH.match(instruction)
+            if branch and (branch.group("guard") or branch.group("operand")) and int(branch.group(3), 16) > address:
+                skipped.append((address, int(branch.group(3), 16)))
+        count += sum(1 for address, instruction in lines if _SHUFFLE.match(instruction)
+                     and any(start < address < end for start, end in skipped))
+    return count
 
 
 @dataclass(frozen=True)

@@ -137,11 +137,11 @@ def compiled_for(x: torch.Tensor, y: torch.Tensor, stream: cuda.CUstream, arch: 
     for `arch` (default: x's GPU's, e.g. sm_90a)."""
     if arch is None:
         major, minor = torch.cuda.get_device_capability(x.device)
-        arch = f"sm_{major}{minor}a"
+        arch = f"sm_{major}{minor}" + ("a" if major >= 9 else "")  # the arch-specific target exists from sm_90
     return cute.compile(softmax_rows, *operands(x, y), stream, options=f"--gpu-arch={arch}")
 
 
-_ON_DEVICE: dict[tuple[int, int], object] = {}
+_ON_DEVICE: dict[tuple[tuple[int, ...], int | None], object] = {}
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
@@ -151,10 +151,13 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
             or x.data_ptr() % 16:
         raise ValueError(f"cute_softmax: needs a contiguous, 16-byte aligned 2-D bf16 tensor with a multiple of "
                          f"{VECTOR} columns, got {x.dtype} {tuple(x.shape)}")
+    if not x.is_cuda:
+        raise ValueError(f"cute_softmax: runs on a CUDA GPU, got a tensor on {x.device}")
     y = torch.empty_like(x)
     if x.numel():
         stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
-        if x.shape not in _ON_DEVICE:
-            _ON_DEVICE[x.shape] = compiled_for(x, y, stream)
-        _ON_DEVICE[x.shape](*operands(x, y), stream)
+        key = (tuple(x.shape), x.device.index)  # a kernel is loaded on one GPU
+        if key not in _ON_DEVICE:
+            _ON_DEVICE[key] = compiled_for(x, y, stream)
+        _ON_DEVICE[key](*operands(x, y), stream)
     return y
