@@ -10,8 +10,8 @@ programs, ~3 an SM), each walking its split one tile after another: few bytes in
 This times plans with more splits, fewer warps (more programs an SM), wider tiles and more
 stages against the default, after an L2 flush (median of 20), each checked against the
 default's output first. bf16, page 64, random pages, every request at s_k tokens. Prints us,
-GB/s of the cache read once and TFLOP/s; measured on the H200:
-benchmarks/results/nvidia-h200/mla-decode-sweep.txt.
+GB/s of the cache read once and TFLOP/s. Not yet run on a GPU (`PARTS=mla-sweep` writes
+mla-decode-sweep.txt).
 """
 
 import kforge  # noqa: F401  (before triton)

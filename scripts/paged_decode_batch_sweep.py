@@ -3,7 +3,7 @@ paged kernel's tilings against SDPA over a dense cache of the same bytes.
 
     PYTHONPATH=src python scripts/paged_decode_batch_sweep.py
 
-Why: at batch 64 x 4k the llama3-8b step reads 34 GB of K and V against 16 GB of weights, and
+Why: at batch 64 x 4k the llama3-8b step reads 34 GB of K and V against 15 GB of weights, and
 ours runs at 78% of the step's floor where the compiled baseline (SDPA over its static cache)
 runs at 90% (H200, bench-model.txt). One layer's call reads 1.07 GB of K and V (far past L2):
 its floor at the copy rate is ~0.25 ms. Timed alone, after an L2 flush, the median of 30.

@@ -91,7 +91,8 @@ def test_quantized_formats_run_every_part_and_a_failing_method_is_recorded(monke
     records = bench.ModelBench(options, results=None, config=QUANTIZABLE, log=lines.append).run()
     status = {(r["part"], r["method"]): r["status"] for r in records}
     assert status == {("decode", "ours w4a16"): "ok", ("decode", "ours w4a16, head w4a16"): "ok",
-                      ("decode", "ours fp8"): "ok", ("decode", "ours fp8, head fp8"): "ok", ("decode", "ours bf16"): "ok",
+                      ("decode", "ours fp8"): "ok", ("decode", "ours fp8, head fp8"): "ok",
+                      ("decode", "ours bf16"): "ok",
                       ("decode", "transformers"): "error", ("decode", "compiled"): "ok",
                       ("batch", "ours w4a16"): "ok", ("batch", "compiled"): "ok",
                       ("prefill", "ours w4a16"): "ok", ("prefill", "transformers"): "error",
