@@ -18,8 +18,10 @@ where only the device time is left.
 The table (JSON) goes to $KFORGE_CACHE_DIR/dispatch/gemm-bf16-<device slug>.json, where the op
 finds it; a table shipped with kforge for a device (src/kforge/ops/tables/) is read when the
 user has none. Lookup is by exact shape; a shape no table holds gets cuBLAS when it has at most
-SKINNY_ROWS rows (decode batches: cuBLAS's device time was the shorter at every such shape tuned
-on the H200, 29 of them from 16 to 128 rows), else `best_kernel`'s rules (ops/matmul.py: tile
+SKINNY_ROWS rows (decode batches: of the 41 such shapes tuned on the H200, 16 to 128 rows,
+cuBLAS's device time was the shorter at 38 and at most 3% longer at the other three; of the 16
+in the H100's `kforge bench gemm` records, the shorter at 15 and 2.4% longer at one), else
+`best_kernel`'s rules (ops/matmul.py: tile
 counts against SMs, measured on the H100), the safe default on any Hopper GPU. The H200's table
 ships (src/kforge/ops/tables/).
 """

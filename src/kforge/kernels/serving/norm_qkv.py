@@ -248,8 +248,9 @@ def fused_fills_half_the_sms(m: int, n: int, sms: int) -> bool:
     streams its share of W alone and the fused GEMM is bandwidth-starved: on the H200 at 64 rows
     it took 38.5 us for the 50 MB of W (1.3 TB/s) in a graphed llama3-8b batch step
     (decode-profile-bf16-batch64.txt), where cuBLAS read wo's 34 MB in 11.8 us. So bf16 rows
-    there take the norm, then cuBLAS (F.linear): cuBLAS's device time was the shorter at every
-    decode shape tuned on the H200 (tune-gemm.txt). The pair has not run on a GPU yet (150b0c6:
+    there take the norm, then cuBLAS (F.linear): cuBLAS's device time was the shorter at 24 of
+    the 25 decode shapes tuned on the H200, and 1.25-1.9x shorter than the best of ours at all
+    seven at the QKV width from 16 to 128 rows (tune-gemm.jsonl). The pair has not run on a GPU yet (150b0c6:
     its GPU tests are written, `PARTS=batch-decode`)."""
     return 2 * math.ceil(m / 128) * math.ceil(n / 256) > sms
 
