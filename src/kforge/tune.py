@@ -21,9 +21,8 @@ user has none. Lookup is by exact shape; a shape no table holds gets cuBLAS when
 SKINNY_ROWS rows (decode batches: of the 41 such shapes tuned on the H200, 16 to 128 rows,
 cuBLAS's device time was the shorter at 38 and at most 3% longer at the other three; of the 16
 in the H100's `kforge bench gemm` records, the shorter at 15 and 2.4% longer at one), else
-`best_kernel`'s rules (ops/matmul.py: tile
-counts against SMs, measured on the H100), the safe default on any Hopper GPU. The H200's table
-ships (src/kforge/ops/tables/).
+`best_kernel`'s rules (ops/matmul.py: tile counts against SMs, measured on the H100), the safe
+default on any Hopper GPU. The H200's table ships (src/kforge/ops/tables/).
 """
 
 from __future__ import annotations
