@@ -1102,6 +1102,11 @@ class Weights(str, Enum):
     fp8 = "fp8"
 
 
+WEIGHTS_HELP = "Linear weights as bf16, INT4 group-128 (w4a16) or block-scaled FP8, quantized at load time."
+QUANTIZE_HEAD_HELP = ("The LM head in --weights' format too, as gpt-fast quantizes it: fewer bytes a step, more "
+                      "error in the logits.")
+
+
 def _load_llama(model: str, json_output: bool = False, weights: str = "bf16", quantize_head: bool = False):
     """(model, tokenizer or None, "cuda" or "cpu") for --model: a preset's random weights or a checkpoint directory,
     on the GPU when there is one, its linear weights in `weights`' format (and its LM head, with `quantize_head`)."""
@@ -1135,10 +1140,8 @@ def generate_command(
     top_k: int = typer.Option(0, min=0, help="Keep the k most likely tokens (0: off)."),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Keep the nucleus of this probability (1: off)."),
     seed: int = typer.Option(None, help="Sampling seed (default: random).", show_default=False),
-    weights: Weights = typer.Option(Weights.bf16, help="Linear weights as bf16, INT4 group-128 (w4a16) or "
-                                    "block-scaled FP8, quantized at load time."),
-    quantize_head: bool = typer.Option(False, "--quantize-head", help="The LM head in --weights' format too, as "
-                                       "gpt-fast quantizes it: fewer bytes a step, more error in the logits."),
+    weights: Weights = typer.Option(Weights.bf16, help=WEIGHTS_HELP),
+    quantize_head: bool = typer.Option(False, "--quantize-head", help=QUANTIZE_HEAD_HELP),
     max_context: int = typer.Option(2048, min=16, help="KV cache length per request, in tokens."),
     json_output: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
@@ -1191,10 +1194,8 @@ def serve_command(
     port: int = typer.Option(8000, min=0, max=65535, help="Port to listen on (0: any free one)."),
     max_slots: int = typer.Option(8, min=1, help="Requests generating at once; more wait their turn."),
     max_context: int = typer.Option(2048, min=16, help="KV cache length per request (prompt + new tokens)."),
-    weights: Weights = typer.Option(Weights.bf16, help="Linear weights as bf16, INT4 group-128 (w4a16) or "
-                                    "block-scaled FP8, quantized at load time."),
-    quantize_head: bool = typer.Option(False, "--quantize-head", help="The LM head in --weights' format too, as "
-                                       "gpt-fast quantizes it: fewer bytes a step, more error in the logits."),
+    weights: Weights = typer.Option(Weights.bf16, help=WEIGHTS_HELP),
+    quantize_head: bool = typer.Option(False, "--quantize-head", help=QUANTIZE_HEAD_HELP),
 ) -> None:
     """Serve the model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, streaming) until Ctrl-C."""
     import time

@@ -104,9 +104,7 @@ def quantize_model(model: Llama, fmt: str, *, head: bool = False) -> Llama:
             weight = getattr(block, name).detach()
             delattr(block, name)  # the nn.Parameter goes, and with it the bf16 copy
             setattr(block, name, _quantize(weight, fmt))
-    if head:
-        model.head_q = _quantize(model.head_weight().detach(), fmt)
-    return model
+    return quantize_head(model, fmt) if head else model
 
 
 def quantize_head(model: Llama, fmt: str) -> Llama:
