@@ -219,13 +219,18 @@ def test_kernel_lengths_past_the_table_are_clamped_without_validation(nan_buffer
 # --- the plan ----------------------------------------------------------------------------------
 
 def test_plan_splits_only_what_does_not_fill_the_gpu():
-    # memory-bound: 128 requests x 16 rows = 128 programs -> 3 splits for ~264 programs
-    plan = plan_mla_decode(128, 16, 16384)
-    assert plan == MlaPlan(block_m=16, block_n=32, split_size=5472, num_splits=3)
+    # memory-bound: 128 requests x 16 rows = 128 programs, two resident an SM (264 slots): 2 splits
+    # fill one wave; 3 would take two waves (the H200's sweep: 495 us against 390 at 2 splits)
+    plan = plan_mla_decode(128, 16, 16384, num_sms=132)
+    assert plan == MlaPlan(block_m=16, block_n=32, split_size=8192, num_splits=2, num_warps=4)
+    assert decode_module.resident_per_sm(16, 32, 2, 2) == 2 and decode_module.resident_per_sm(64, 32, 2, 2) == 1
+    # 32 requests: 8 splits (256 programs) fill the wave
+    assert plan_mla_decode(32, 16, 8192, num_sms=132).num_splits == 8
     # compute-bound: 128 x (128 heads x 2 tokens / 64 rows) = 512 programs: no split, no combine
     assert plan_mla_decode(128, 256, 16384).num_splits == 1
     assert plan_mla_decode(128, 256, 16384).block_m == 64
-    # one request: 264 splits wanted, none shorter than 256 tokens
+    assert plan_mla_decode(128, 256, 16384).num_warps == 8
+    # one request: as many splits as there are slots, none shorter than 256 tokens
     one = plan_mla_decode(1, 16, 8192)
     assert one.num_splits == 32 and one.split_size == 256
     # a short context never splits below MIN_SPLIT_TOKENS
@@ -307,7 +312,12 @@ def test_default_tiles_compile_for_the_h100_without_spills():
                           aligned=pointers + strides[:5], num_warps=plan.num_warps, num_stages=plan.num_stages))
     found = compile_sm90(specs)
     for label, used in found.items():
-        assert used["spills"] == 0 and used["local"] == 0, (label, used)
+        if label == "rows 32 bf16":
+            # 32 rows on 4 warps spill 14 registers (32 bytes of local memory a thread): kept, as the
+            # H200 ran it 1.7x faster than 8 warps at the same splits (docs/worklogs/deepseek.md)
+            assert used["spills"] <= 16 and used["local"] <= 64, (label, used)
+        else:
+            assert used["spills"] == 0 and used["local"] == 0, (label, used)
         assert used["shared"] <= 227 * 1024, (label, used)
     assert found["rows 256 bf16"]["hgmma"] > 0  # 64-row blocks run on wgmma
 

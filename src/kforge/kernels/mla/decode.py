@@ -36,28 +36,36 @@ Kernel 1, one program per (request, block of BLOCK_M query rows, split of the co
 Kernel 2, one program per (request, query row), only with several splits: lse = log sum_s
 exp(lse_s), out = sum_s exp(lse_s - lse) out_s, over the splits the request has.
 
-Splits (`plan_mla_decode`): with G = batch x ceil(h_q s_q / BLOCK_M) programs per split, as
-many splits as bring the grid to ~2 programs an SM, no split shorter than MIN_SPLIT_TOKENS (a
-split's partials, BLOCK_M x 512 x 4 bytes written and read, must stay small next to its
-split x 1152 bytes of cache), planned from the block table's width (known on the host: no
-device read, usable in a CUDA graph). Ragged batches: a program whose split starts past its
-request's length exits at once, and the combine reads only the splits a request has; the
-cost of a short request in a long batch is those empty launches, not work. (FlashMLA's
-scheduler instead balances tokens across SMs from the lengths on the device; that is the next
-step if the ragged benchmark shapes show idle SMs.)
+Splits (`plan_mla_decode`): G = batch x ceil(h_q s_q / BLOCK_M) programs a split run on
+`resident_per_sm` x SMs slots at once, so a launch takes ceil(G x splits / slots) waves of one
+split's length each. The plan takes the split count that minimises waves x split length, the
+fewest splits within 5% of the best, none shorter than MIN_SPLIT_TOKENS (a split's partials,
+BLOCK_M x 512 x 4 bytes written and read, must stay small next to its split x 1152 bytes of
+cache). It plans from the block table's width (known on the host: no device read, usable in a
+CUDA graph). On the H200 the waves are what counted: at batch 128 and 16 rows, 2 splits (256
+programs, one wave) took 390 us, 3 splits (384 programs, two waves) 495 us, 4 splits 394
+(benchmarks/results/nvidia-h200/mla-decode-sweep.txt). Ragged batches: a program whose split
+starts past its request's length exits at once, and the combine reads only the splits a
+request has; but the plan sizes splits for the longest request, so a batch of lengths drawn
+from [1, 8192] runs at 40% of copy where a full one runs at 70% (FlashMLA's scheduler
+balances tokens across SMs from the lengths on the device: the next step here).
 
-Tiles, for the H100: BLOCK_M = 64 rows (fewer if h_q x s_q is smaller, at least 16 for
-tl.dot), BLOCK_N = 32 tokens, 8 warps, 2 stages. The fp32 accumulator is BLOCK_M x 512 (128 KB
-at 64 rows), the reason BLOCK_N stays at 32. What Triton 3.6 makes of it for sm_90, compiled
-offline (bf16, causal, split; `tests/kernels/test_mla_decode.py` keeps these free of spills):
-at BLOCK_M = 64, 232 registers a thread, no spills, 144 KB of shared memory (one program an
-SM), wgmma for both dots; BLOCK_N = 64 needs 216 KB and 255 registers, 4 warps spill 1.8 KB a
-thread, and one stage spills too. At BLOCK_M = 32, 180 registers and 74 KB; at 16, 113
-registers and 55 KB (mma.sync, not wgmma: a warpgroup's M is 64). fp32 inputs (a check, not a
-speed) take 32 x 16 tiles: 214 registers and 110 KB, no spills; 64-row tiles spill over 10 KB a
-thread. Whether one resident program an SM keeps enough bytes in flight for the memory-bound
-shapes is for the GPU to say. `config` overrides every choice (sweeps, the interpreter tests).
-Nothing here has run on a GPU yet.
+Tiles: BLOCK_M = 64 rows (fewer if h_q x s_q is smaller, at least 16 for tl.dot) on 8 warps;
+16 and 32 rows on 4 warps; BLOCK_N = 32 tokens, 2 stages. The fp32 accumulator is BLOCK_M x
+512 (128 KB at 64 rows), the reason BLOCK_N stays at 32. What Triton 3.6 makes of it for
+sm_90, compiled offline (bf16, causal, split; `tests/kernels/test_mla_decode.py` checks
+these): at BLOCK_M = 64, 232 registers a thread, no spills, 144 KB of shared memory (one
+program an SM), wgmma for both dots; BLOCK_N = 64 needs 216 KB and 255 registers, 4 warps
+spill 1.8 KB a thread, and one stage spills too. At 16 and 32 rows on 4 warps, mma.sync (a
+warpgroup's M is 64); 32 rows spill 14 registers, kept because the H200 ran them 1.7x faster
+than 8 warps. fp32 inputs (a check, not a speed) take 32 x 16 tiles on 8 warps: 214
+registers and 110 KB, no spills; 64-row tiles spill over 10 KB a thread. `config` overrides
+every choice (sweeps, the interpreter tests).
+
+Measured on the H200 (`kforge bench mla`, bf16, batch 128): 16 rows at 66-73% of the copy
+rate (2.9-4.1x eager), 32 rows at 50-54%; from 64 rows on it runs at 155-162 TFLOP/s, 20% of
+the matmul rate, whatever the row block (16- and 32-row blocks were slower there): the
+64-row tile's dots, K = 32 tokens deep for P V, are the limit, not the plan.
 """
 
 from __future__ import annotations
@@ -71,8 +79,11 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 H100_SMS = 132
-PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM = 2  # sparse prefill's list splits
 MIN_SPLIT_TOKENS = 256
+SPLIT_TOLERANCE = 0.05
+SM_SHARED_BYTES = 227 * 1024
+LATENT_DIM = 576  # the cache row a tile holds: 512 latent + 64 RoPE values
 MAX_COMBINE_BLOCK = 16
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PAGE_SIZES = (16, 32, 64, 128, 256)
@@ -219,6 +230,28 @@ class MlaPlan:
         return self.num_splits > 1
 
 
+def resident_per_sm(block_m: int, block_n: int, num_stages: int, element_size: int) -> int:
+    """Programs of one tiling an SM holds, from shared memory: `num_stages` cache tiles of BLOCK_N
+    x 576 and the BLOCK_M x 576 query tile, in `element_size` bytes, within 227 KB. On the H200
+    the decode sweep's wave pattern read the same counts: 2 at 16 and 32 rows, 1 at 64."""
+    return max(1, SM_SHARED_BYTES // ((num_stages * block_n + block_m) * LATENT_DIM * element_size))
+
+
+def _wave_split(programs: int, max_tokens: int, block_n: int, slots: int) -> int:
+    """The split size (a multiple of block_n, no split under MIN_SPLIT_TOKENS) that finishes
+    first when `programs` programs a split run on `slots` resident at once: time ~ waves x split
+    length. The fewest splits within SPLIT_TOLERANCE of the best: the model leaves out what a
+    split costs (the combine's read, the partials' write), and past one wave more splits only
+    trade rounding."""
+    tokens = max(1, max_tokens)
+    costs = []
+    for splits in range(1, max(1, math.ceil(tokens / MIN_SPLIT_TOKENS)) + 1):
+        size = math.ceil(math.ceil(tokens / splits) / block_n) * block_n
+        costs.append((math.ceil(programs * splits / slots) * size, size))
+    best = min(cost for cost, _ in costs)
+    return next(size for cost, size in costs if cost <= best * (1 + SPLIT_TOLERANCE))
+
+
 def plan_mla_decode(batch: int, rows: int, max_tokens: int, num_sms: int = H100_SMS,
                     config: dict | None = None, element_size: int = 2) -> MlaPlan:
     """Tiles and splits for `batch` requests of `rows` = h_q x s_q query rows each, the longest
@@ -229,15 +262,13 @@ def plan_mla_decode(batch: int, rows: int, max_tokens: int, num_sms: int = H100_
     wide = element_size > 2
     block_m = config.pop("BLOCK_M", min(32 if wide else 64, max(16, triton.next_power_of_2(rows))))
     block_n = config.pop("BLOCK_N", 16 if wide else 32)
+    num_warps = config.pop("num_warps", 4 if block_m <= 32 and not wide else 8)
+    num_stages = config.pop("num_stages", 2)
     if "split_size" in config:
         split_size = config.pop("split_size")
     else:
-        programs = batch * math.ceil(rows / block_m)
-        wanted = math.ceil(PROGRAMS_PER_SM * num_sms / max(1, programs))
-        most = max(1, math.ceil(max_tokens / MIN_SPLIT_TOKENS))
-        split_size = math.ceil(max(1, max_tokens) / min(wanted, most))
-        split_size = math.ceil(split_size / block_n) * block_n
-    num_warps, num_stages = config.pop("num_warps", 8), config.pop("num_stages", 2)
+        split_size = _wave_split(batch * math.ceil(rows / block_m), max_tokens, block_n,
+                                 num_sms * resident_per_sm(block_m, block_n, num_stages, element_size))
     if config:
         raise ValueError(f"unknown config keys {sorted(config)}: use BLOCK_M, BLOCK_N, split_size, num_warps, "
                          f"num_stages")

@@ -36,7 +36,8 @@ Kernels (Triton):
   that way, each prompt token a request of one token, through `launch_sparse_mla`.
 The top-k between them is `torch.topk` (on the GPU for GPU tensors): ties are broken as it
 breaks them, so tests compare the selected scores, not the order of equal ones.
-Nothing here has run on a GPU yet.
+Its plan is dense decode's (`decode.plan_mla_decode`); on the H200 at 2,048 indices it takes
+141 us at batch 128 and 16 heads and 515 us at 128 heads (mla-decode-sweep.txt, part 5).
 """
 
 from __future__ import annotations
