@@ -100,9 +100,10 @@ def _assert_close(out, lse, expected_out, expected_lse, dtype):
 
 @pytest.fixture
 def nan_buffers(monkeypatch):
-    """Every buffer the kernels write (out, lse, the split partials) starts as NaN."""
-    monkeypatch.setattr(decode_module, "_empty",
-                        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+    """Every buffer the kernels write (out, lse, the split partials) starts as NaN; the schedule
+    (int32) as -2^31."""
+    monkeypatch.setattr(decode_module, "_empty", lambda shape, dtype, device: torch.full(
+        shape, float("nan") if dtype.is_floating_point else -2 ** 31, dtype=dtype, device=device))
 
 
 @pytest.fixture
@@ -216,6 +217,67 @@ def test_kernel_lengths_past_the_table_are_clamped_without_validation(nan_buffer
     _assert_close(out, lse, *_dense_attention(q, latent.dense, False, 1 / math.sqrt(D)), torch.float32)
 
 
+# --- the device schedule -----------------------------------------------------------------------
+
+def _schedule(lengths, m_blocks, slots, chunks, max_tokens=1 << 20):
+    """[split size, first item of each request, total items] from `mla_decode_schedule_kernel`."""
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    schedule = torch.full((len(lengths) + 3,), -7, dtype=torch.int32)
+    decode_module.mla_decode_schedule_kernel[(1,)](
+        lens, schedule, len(lengths), max_tokens, m_blocks, slots, chunks, BLOCK_B=max(2, 1 << (len(lengths) - 1).bit_length()),
+        BLOCK_C=max(2, 1 << (chunks - 1).bit_length()), BLOCK_N=32, MIN_SPLIT=decode_module.MIN_SPLIT_TOKENS,
+        TOLERANCE=decode_module.SPLIT_TOLERANCE)
+    assert schedule[-1] == 0  # the work queue, reset
+    return schedule[:-1].tolist()
+
+
+def test_schedule_of_a_full_batch_is_the_host_plans_choice():
+    # 128 requests of 8192 on 264 slots: two splits each, one wave (the H200's fastest)
+    size, *starts, total = _schedule([8192] * 128, 1, 264, 9)
+    assert (size, total) == (4096, 256) and starts == list(range(0, 256, 2))
+
+
+def test_schedule_sizes_ragged_splits_from_the_lengths():
+    # lengths 64, 128, ..., 8192 (mean 4128): the host plan's 4096-token splits leave the wave to
+    # the longest requests' two items; the schedule picks the split filling the slots best
+    lengths = [64 * (i + 1) for i in range(128)]
+    size, *starts, total = _schedule(lengths, 1, 264, 9)
+
+    def waves_times_size(s):
+        return math.ceil(sum(math.ceil(n / s) for n in lengths) / 264) * (s + 32)
+
+    assert size < 4096 and waves_times_size(size) < 0.8 * waves_times_size(4096)
+    counts = [math.ceil(n / size) for n in lengths]
+    assert starts == [sum(counts[:b]) for b in range(128)] and total == sum(counts)
+    # no split shorter than MIN_SPLIT_TOKENS, unless it is the whole of the longest
+    assert size >= decode_module.MIN_SPLIT_TOKENS
+    assert _schedule([100, 30], 1, 264, 4)[0] == 128
+
+
+def test_schedule_gives_empty_requests_no_items_and_clamps_lengths():
+    size, *starts, total = _schedule([0, 300, 0, 0, 5000, -3], 1, 264, 4, max_tokens=600)
+    # 5000 is clamped to the table's 600 tokens, -3 to 0; the longest (600) is cut in two
+    assert size == 320 and starts == [0, 0, 1, 1, 1, 3] and total == 3
+    size, *starts, total = _schedule([0, 0], 1, 264, 4)
+    assert starts == [0, 0] and total == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("s_q, causal", [(1, False), (2, True)])
+def test_scheduled_splits_match_float64_on_ragged_lengths(dtype, s_q, causal, nan_buffers, mended, monkeypatch):
+    # the default path (no split_size): splits sized on the device; MIN_SPLIT_TOKENS lowered so
+    # requests this short take several items, some one, one none (the combine's three cases)
+    monkeypatch.setattr(decode_module, "MIN_SPLIT_TOKENS", 16)
+    lengths = [0, 1, 63, 65, 130]
+    plan = decode_module.plan_mla_decode(5, 3 * s_q, 192, element_size=torch.finfo(dtype).bits // 8)
+    assert decode_module.schedule_chunks(plan, 5, 3 * s_q, 192, decode_module.H100_SMS, 2) > 1
+    latent = _latent(lengths, dtype, seed=s_q, max_pages=3)
+    q = _query(5, s_q, 3, dtype, seed=7)
+    out, lse = mla_decode(q, latent.cache, latent.table, latent.seqlens, softmax_scale=0.06, causal=causal)
+    _assert_close(out, lse, *_dense_attention(q, latent.dense, causal, 0.06), dtype)
+
+
 # --- the plan ----------------------------------------------------------------------------------
 
 def test_plan_splits_only_what_does_not_fill_the_gpu():
@@ -223,7 +285,7 @@ def test_plan_splits_only_what_does_not_fill_the_gpu():
     # fill one wave; 3 would take two waves (the H200's sweep: 495 us against 390 at 2 splits)
     plan = plan_mla_decode(128, 16, 16384, num_sms=132)
     assert plan == MlaPlan(block_m=16, block_n=32, split_size=8192, num_splits=2, num_warps=4)
-    assert decode_module.resident_per_sm(16, 32, 2, 2) == 2 and decode_module.resident_per_sm(64, 32, 2, 2) == 1
+    assert decode_module.resident_per_sm(16, 32, 2, 4, 2) == 2 and decode_module.resident_per_sm(64, 32, 2, 8, 2) == 1
     # 32 requests: 8 splits (256 programs) fill the wave
     assert plan_mla_decode(32, 16, 8192, num_sms=132).num_splits == 8
     # compute-bound: 128 x (128 heads x 2 tokens / 64 rows) = 512 programs: no split, no combine
@@ -300,16 +362,24 @@ def test_default_tiles_compile_for_the_h100_without_spills():
     types = {name: "*bf16" if name in ("q_ptr", "cache_ptr", "out_ptr") else "*i32" if "seqlens" in name
              or "table" in name else "*fp32" for name in pointers}
     strides = ("stride_qb", "stride_qs", "stride_qh", "stride_cp", "stride_ct", "stride_table")
-    types.update({name: "i32" for name in strides + ("h_q", "s_q", "max_pages", "num_splits", "split_size")})
-    types["qk_scale"] = "fp32"
+    types.update({name: "i32" for name in strides + ("h_q", "s_q", "max_pages", "num_splits", "split_size",
+                                                     "batch")})
+    types.update(qk_scale="fp32", schedule_ptr="*i32")
     specs = []
     for rows, dtype in ((16, "bf16"), (32, "bf16"), (256, "bf16"), (256, "fp32")):
+        # the default path: splits scheduled on the device, 128 requests
         plan = plan_mla_decode(128, rows, 16384, element_size=2 if dtype == "bf16" else 4)
         typed = {**types, **{name: f"*{dtype}" for name in ("q_ptr", "cache_ptr", "out_ptr")}}
         specs.append(spec(f"rows {rows} {dtype}", "kforge.kernels.mla.decode", "mla_decode_split_kernel", typed,
                           dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, D_V=DV, D_ROPE=D - DV, PAGE_SIZE=PAGE,
-                               CAUSAL=True, SPLIT=True, DOT_PRECISION="tf32" if dtype == "bf16" else "ieee"),
+                               CAUSAL=True, SPLIT=True, DOT_PRECISION="tf32" if dtype == "bf16" else "ieee",
+                               SCHEDULED=True, BLOCK_B=128),
                           aligned=pointers + strides[:5], num_warps=plan.num_warps, num_stages=plan.num_stages))
+    specs.append(spec("schedule", "kforge.kernels.mla.decode", "mla_decode_schedule_kernel",
+                      {"seqlens_ptr": "*i32", "schedule_ptr": "*i32", **{name: "i32" for name in (
+                          "batch", "max_tokens", "m_blocks", "slots", "max_chunks")}},
+                      dict(BLOCK_B=128, BLOCK_C=16, BLOCK_N=32, MIN_SPLIT=256, TOLERANCE=0.05), num_warps=4,
+                      num_stages=1))
     found = compile_sm90(specs)
     for label, used in found.items():
         if label == "rows 32 bf16":
@@ -384,11 +454,12 @@ def test_fp8_cache_build_compiles_for_the_h100_without_spills():
              "part_lse_ptr": "*fp32", "scale_ptr": "*fp32", "qk_scale": "fp32"}
     strides = ("stride_qb", "stride_qs", "stride_qh", "stride_cp", "stride_ct", "stride_rp", "stride_rt")
     types.update({name: "i32" for name in strides + ("stride_table", "stride_sp", "stride_st", "h_q", "s_q",
-                                                     "max_pages", "num_splits", "split_size")})
+                                                     "max_pages", "num_splits", "split_size", "batch")})
+    types["schedule_ptr"] = "*i32"
     found = compile_sm90([
         spec(f"fp8 rows {rows}", "kforge.kernels.mla.decode", "mla_decode_split_kernel", types,
              dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, D_V=DV, D_ROPE=D - DV, PAGE_SIZE=PAGE, CAUSAL=True,
-                  SPLIT=True, DOT_PRECISION="tf32", FP8_CACHE=True),
+                  SPLIT=True, DOT_PRECISION="tf32", FP8_CACHE=True, SCHEDULED=True, BLOCK_B=128),
              aligned=pointers + strides, num_warps=plan.num_warps, num_stages=plan.num_stages)
         for rows, plan in ((16, plan_mla_decode(128, 16, 16384)), (256, plan_mla_decode(128, 256, 16384)))])
     for label, used in found.items():

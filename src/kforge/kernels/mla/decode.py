@@ -82,7 +82,11 @@ H100_SMS = 132
 PROGRAMS_PER_SM = 2  # sparse prefill's list splits
 MIN_SPLIT_TOKENS = 256
 SPLIT_TOLERANCE = 0.05
+MAX_SCHEDULED_BATCH = 4096
+SCHEDULE_SLACK = 4  # the scheduled grid's items, in resident slots' worth
 SM_SHARED_BYTES = 227 * 1024
+SM_REGISTERS = 65536
+MAX_THREAD_REGISTERS = 255
 LATENT_DIM = 576  # the cache row a tile holds: 512 latent + 64 RoPE values
 MAX_COMBINE_BLOCK = 16
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -96,21 +100,60 @@ def mla_decode_split_kernel(
         q_ptr, cache_ptr, block_table_ptr, seqlens_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
         stride_qb, stride_qs, stride_qh, stride_cp, stride_ct, stride_table,
         h_q, s_q, max_pages, num_splits, split_size, qk_scale,
-        scale_ptr, rope_ptr, stride_sp, stride_st, stride_rp, stride_rt,
+        scale_ptr, rope_ptr, stride_sp, stride_st, stride_rp, stride_rt, schedule_ptr, batch,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr,
         PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FP8_CACHE: tl.constexpr = False):
+        FP8_CACHE: tl.constexpr = False, SCHEDULED: tl.constexpr = False, BLOCK_B: tl.constexpr = 1):
+    m_blocks = tl.cdiv(s_q * h_q, BLOCK_M)
+    if SCHEDULED:  # persistent: each program takes the next of the schedule's items x row blocks until none
+        # is left (a queue, not a fixed share: items differ in length, as the hardware's own scheduling)
+        work_total = tl.load(schedule_ptr + 1 + batch) * m_blocks
+        work = tl.atomic_add(schedule_ptr + 2 + batch, 1)
+        while work < work_total:
+            item = work // m_blocks
+            offs_b = tl.arange(0, BLOCK_B)  # read each time, not held through the work (registers)
+            starts = tl.load(schedule_ptr + 1 + offs_b, mask=offs_b < batch, other=2147483647)
+            request = tl.sum((starts <= item).to(tl.int32), 0) - 1  # the last request starting at or before it
+            size = tl.load(schedule_ptr)
+            first = tl.load(schedule_ptr + 1 + request)
+            # a request of one item is written whole (the combine skips it); else partials item-major
+            whole = tl.load(schedule_ptr + 2 + request) - first == 1
+            _attend_split(q_ptr, cache_ptr, block_table_ptr, seqlens_ptr, out_ptr, lse_ptr, part_out_ptr,
+                          part_lse_ptr, stride_qb, stride_qs, stride_qh, stride_cp, stride_ct, stride_table,
+                          h_q, s_q, max_pages, qk_scale, scale_ptr, rope_ptr, stride_sp, stride_st, stride_rp,
+                          stride_rt, request, work % m_blocks, (item - first) * size, size, whole,
+                          item.to(tl.int64) * (s_q * h_q),
+                          BLOCK_M, BLOCK_N, D_V, D_ROPE, PAGE_SIZE, CAUSAL, DOT_PRECISION, FP8_CACHE, 1)
+            work = tl.atomic_add(schedule_ptr + 2 + batch, 1)
+    else:
+        request = tl.program_id(0) // m_blocks
+        split = tl.program_id(1)
+        start = split * split_size
+        if SPLIT:
+            if start >= tl.minimum(tl.load(seqlens_ptr + request), max_pages * PAGE_SIZE):
+                return  # the combine reads only the splits a request has
+        _attend_split(q_ptr, cache_ptr, block_table_ptr, seqlens_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                      stride_qb, stride_qs, stride_qh, stride_cp, stride_ct, stride_table,
+                      h_q, s_q, max_pages, qk_scale, scale_ptr, rope_ptr, stride_sp, stride_st, stride_rp, stride_rt,
+                      request, tl.program_id(0) % m_blocks, start, split_size, not SPLIT,
+                      (request * (s_q * h_q)).to(tl.int64) * num_splits + split,
+                      BLOCK_M, BLOCK_N, D_V, D_ROPE, PAGE_SIZE, CAUSAL, DOT_PRECISION, FP8_CACHE, num_splits)
+
+
+@triton.jit
+def _attend_split(q_ptr, cache_ptr, block_table_ptr, seqlens_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                  stride_qb, stride_qs, stride_qh, stride_cp, stride_ct, stride_table,
+                  h_q, s_q, max_pages, qk_scale, scale_ptr, rope_ptr, stride_sp, stride_st, stride_rp, stride_rt,
+                  request, m_block, start, split_size, whole, partial_base,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  FP8_CACHE: tl.constexpr, row_stride):
+    """One program's work: BLOCK_M query rows of `request` over its tokens [start, start +
+    split_size), then the answer (`whole`) or a partial at partial_base + row x row_stride (row
+    stride: the static plan keeps a row's splits together, the schedule an item's rows)."""
     rows_total = s_q * h_q
-    m_blocks = tl.cdiv(rows_total, BLOCK_M)
-    request = tl.program_id(0) // m_blocks
-    m_block = tl.program_id(0) % m_blocks
-    split = tl.program_id(1)
     # clamped to the block-table row, so an unchecked length never reads past it
     length = tl.minimum(tl.load(seqlens_ptr + request), max_pages * PAGE_SIZE)
-    start = split * split_size
-    if SPLIT:
-        if start >= length:  # the combine reads only the splits a request has
-            return
     end = tl.minimum(start + split_size, length)
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -165,34 +208,89 @@ def mla_decode_split_kernel(
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
     lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     flat = request * rows_total + rows  # (request, query token, head), flattened
-    if SPLIT:
-        partial = flat.to(tl.int64) * num_splits + split
-        tl.store(part_lse_ptr + partial, lse2, mask=real)
-        tl.store(part_out_ptr + partial[:, None] * D_V + offs_v[None, :], out, mask=real[:, None])
+    if whole:
+        _store_final(out_ptr, lse_ptr, out, lse2, flat, request, head, token_of_row, real, h_q, s_q, D_V)
     else:
-        tl.store(out_ptr + flat.to(tl.int64)[:, None] * D_V + offs_v[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=real[:, None])
-        # lse is (batch, h_q, s_q)
-        tl.store(lse_ptr + (request * h_q + head) * s_q + token_of_row, lse2 * 0.6931471805599453, mask=real)  # x ln 2
+        _store_partial(part_out_ptr, part_lse_ptr, out, lse2, partial_base + rows.to(tl.int64) * row_stride, real, D_V)
+
+
+@triton.jit
+def _store_partial(part_out_ptr, part_lse_ptr, out, lse2, partial, real, D_V: tl.constexpr):
+    """A split's normalised output (fp32) and its lse (log2 units) at `partial`."""
+    offs_v = tl.arange(0, D_V)
+    tl.store(part_lse_ptr + partial, lse2, mask=real)
+    tl.store(part_out_ptr + partial[:, None] * D_V + offs_v[None, :], out, mask=real[:, None])
+
+
+@triton.jit
+def _store_final(out_ptr, lse_ptr, out, lse2, flat, request, head, token_of_row, real, h_q, s_q, D_V: tl.constexpr):
+    """The answer: out in its dtype, lse (batch, h_q, s_q) in natural-log units."""
+    offs_v = tl.arange(0, D_V)
+    tl.store(out_ptr + flat.to(tl.int64)[:, None] * D_V + offs_v[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=real[:, None])
+    tl.store(lse_ptr + (request * h_q + head) * s_q + token_of_row, lse2 * 0.6931471805599453, mask=real)  # x ln 2
+
+
+@triton.jit
+def mla_decode_schedule_kernel(seqlens_ptr, schedule_ptr, batch, max_tokens, m_blocks, slots, max_chunks,
+                               BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+                               MIN_SPLIT: tl.constexpr, TOLERANCE: tl.constexpr):
+    """One program: the split size for these lengths, and each request's first work item.
+
+    For c = 1..max_chunks splits of the longest request (each a multiple of BLOCK_N, none under
+    MIN_SPLIT but the whole), the items are sum_b ceil(len_b / size) and the time ~ the waves of
+    items x m_blocks programs on `slots` times (size + one tile, a split's fixed cost); the
+    fewest splits within TOLERANCE of the best win. All candidates at once, a [BLOCK_C, BLOCK_B]
+    tile (no serial loop: this launch sits in front of every call). Writes schedule = [size,
+    first item of request 0..batch-1, total items, 0 (the split kernel's queue)]: request b owns
+    items [schedule[1 + b], schedule[2 + b])."""
+    offs_b = tl.arange(0, BLOCK_B)
+    lens = tl.load(seqlens_ptr + offs_b, mask=offs_b < batch, other=0)
+    lens = tl.maximum(tl.minimum(lens, max_tokens), 0)
+    longest = tl.maximum(tl.max(lens, 0), 1)
+    chunks = tl.arange(0, BLOCK_C) + 1
+    sizes = tl.cdiv(tl.cdiv(longest, chunks), BLOCK_N) * BLOCK_N
+    items = tl.sum(tl.cdiv(lens[None, :], sizes[:, None]), 1)
+    cost = tl.cdiv(items * m_blocks, slots).to(tl.float32) * (sizes + BLOCK_N).to(tl.float32)
+    allowed = (chunks <= max_chunks) & ((chunks == 1) | (sizes >= MIN_SPLIT))
+    cost = tl.where(allowed, cost, float("inf"))
+    good = cost <= tl.min(cost, 0) * (1.0 + TOLERANCE)
+    fewest = tl.min(tl.where(good, chunks, BLOCK_C + 1), 0)
+    size = tl.sum(tl.where(chunks == fewest, sizes, 0), 0)
+    counts = tl.cdiv(lens, size)
+    ends = tl.cumsum(counts, 0)
+    tl.store(schedule_ptr, size)
+    tl.store(schedule_ptr + 1 + offs_b, ends - counts, mask=offs_b < batch)
+    tl.store(schedule_ptr + 1 + batch, tl.sum(counts, 0))
+    tl.store(schedule_ptr + 2 + batch, 0)  # the split kernel's work queue
 
 
 @triton.jit
 def mla_decode_combine_kernel(part_out_ptr, part_lse_ptr, seqlens_ptr, out_ptr, lse_ptr,
-                              h_q, s_q, max_tokens, num_splits, split_size,
-                              D_V: tl.constexpr, BLOCK_S: tl.constexpr):
+                              h_q, s_q, max_tokens, num_splits, split_size, schedule_ptr,
+                              D_V: tl.constexpr, BLOCK_S: tl.constexpr, SCHEDULED: tl.constexpr = False):
     flat = tl.program_id(0)  # (request, query token, head)
     rows_total = s_q * h_q
     request = flat // rows_total
     row = flat % rows_total
-    length = tl.minimum(tl.load(seqlens_ptr + request), max_tokens)
-    written = tl.cdiv(length, split_size)  # kernel 1 skipped the splits past the length
-    first = flat.to(tl.int64) * num_splits
+    if SCHEDULED:  # the request's items, partials item-major (stride: a row of every item)
+        first_item = tl.load(schedule_ptr + 1 + request)
+        written = tl.load(schedule_ptr + 2 + request) - first_item
+        if written == 1:  # kernel 1 wrote the answer itself
+            return
+        first = first_item.to(tl.int64) * rows_total + row
+        step = rows_total
+    else:
+        length = tl.minimum(tl.load(seqlens_ptr + request), max_tokens)
+        written = tl.cdiv(length, split_size)  # kernel 1 skipped the splits past the length
+        first = flat.to(tl.int64) * num_splits
+        step = 1
     offs_s = tl.arange(0, BLOCK_S)
     offs_v = tl.arange(0, D_V)
 
     top = tl.full([BLOCK_S], float("-inf"), tl.float32)
     for s0 in range(0, written, BLOCK_S):  # the largest lse first, so no weight overflows
-        top = tl.maximum(top, tl.load(part_lse_ptr + first + s0 + offs_s, mask=s0 + offs_s < written,
+        top = tl.maximum(top, tl.load(part_lse_ptr + first + (s0 + offs_s) * step, mask=s0 + offs_s < written,
                                       other=float("-inf")))
     top_max = tl.max(top, 0)
     top_safe = tl.where(top_max == float("-inf"), 0.0, top_max)
@@ -201,10 +299,10 @@ def mla_decode_combine_kernel(part_out_ptr, part_lse_ptr, seqlens_ptr, out_ptr, 
     acc = tl.zeros([BLOCK_S, D_V], tl.float32)
     for s0 in range(0, written, BLOCK_S):
         mine = s0 + offs_s < written
-        w = tl.math.exp2(tl.load(part_lse_ptr + first + s0 + offs_s, mask=mine, other=float("-inf")) - top_safe)
+        at = first + (s0 + offs_s) * step
+        w = tl.math.exp2(tl.load(part_lse_ptr + at, mask=mine, other=float("-inf")) - top_safe)
         weights += w
-        acc += w[:, None] * tl.load(part_out_ptr + (first + s0 + offs_s)[:, None] * D_V + offs_v[None, :],
-                                    mask=mine[:, None], other=0.0)
+        acc += w[:, None] * tl.load(part_out_ptr + at[:, None] * D_V + offs_v[None, :], mask=mine[:, None], other=0.0)
     total = tl.sum(weights, 0)
     seen = total > 0.0
     out = tl.where(seen, tl.sum(acc, 0) / tl.where(seen, total, 1.0), 0.0)
@@ -230,11 +328,14 @@ class MlaPlan:
         return self.num_splits > 1
 
 
-def resident_per_sm(block_m: int, block_n: int, num_stages: int, element_size: int) -> int:
-    """Programs of one tiling an SM holds, from shared memory: `num_stages` cache tiles of BLOCK_N
-    x 576 and the BLOCK_M x 576 query tile, in `element_size` bytes, within 227 KB. On the H200
-    the decode sweep's wave pattern read the same counts: 2 at 16 and 32 rows, 1 at 64."""
-    return max(1, SM_SHARED_BYTES // ((num_stages * block_n + block_m) * LATENT_DIM * element_size))
+def resident_per_sm(block_m: int, block_n: int, num_stages: int, num_warps: int, element_size: int) -> int:
+    """Programs of one tiling an SM holds: the register file at 255 registers a thread (Triton's
+    builds of these tiles take 210-255), and shared memory (`num_stages` cache tiles of BLOCK_N
+    x 576 and the BLOCK_M x 576 query tile, within 227 KB). 2 at 16 and 32 rows on 4 warps, 1 at
+    64 on 8: the H200 sweep's wave pattern read the same (the module docstring)."""
+    by_registers = SM_REGISTERS // (num_warps * 32 * MAX_THREAD_REGISTERS)
+    by_shared = SM_SHARED_BYTES // ((num_stages * block_n + block_m) * LATENT_DIM * element_size)
+    return max(1, min(by_registers, by_shared))
 
 
 def _wave_split(programs: int, max_tokens: int, block_n: int, slots: int) -> int:
@@ -268,7 +369,7 @@ def plan_mla_decode(batch: int, rows: int, max_tokens: int, num_sms: int = H100_
         split_size = config.pop("split_size")
     else:
         split_size = _wave_split(batch * math.ceil(rows / block_m), max_tokens, block_n,
-                                 num_sms * resident_per_sm(block_m, block_n, num_stages, element_size))
+                                 num_sms * resident_per_sm(block_m, block_n, num_stages, num_warps, element_size))
     if config:
         raise ValueError(f"unknown config keys {sorted(config)}: use BLOCK_M, BLOCK_N, split_size, num_warps, "
                          f"num_stages")
@@ -281,6 +382,21 @@ def plan_mla_decode(batch: int, rows: int, max_tokens: int, num_sms: int = H100_
     if num_splits > 65535:
         raise ValueError(f"{num_splits} splits exceed the grid's 65535: use larger splits")
     return MlaPlan(block_m, block_n, split_size, num_splits, num_warps, num_stages)
+
+
+def schedule_chunks(plan: MlaPlan, batch: int, rows: int, max_tokens: int, num_sms: int, element_size: int) -> int:
+    """The most splits a request may get when the device schedules the splits from the lengths
+    (`mla_decode_schedule_kernel`), or 0 for the host's plan alone: batches past
+    MAX_SCHEDULED_BATCH (the schedule reads all lengths in one block), or one split at most.
+    At least the host plan's count (what full-length requests want), and enough that shorter
+    ones can fill SCHEDULE_SLACK x the resident slots: the grid holds batch x this many items."""
+    if batch > MAX_SCHEDULED_BATCH:
+        return 0
+    slots = num_sms * resident_per_sm(plan.block_m, plan.block_n, plan.num_stages, plan.num_warps, element_size)
+    most = max(1, math.ceil(max_tokens / MIN_SPLIT_TOKENS))
+    wanted = math.ceil(SCHEDULE_SLACK * slots / (batch * math.ceil(rows / plan.block_m)))
+    chunks = min(most, max(plan.num_splits, wanted))
+    return chunks if chunks > 1 else 0
 
 
 def check_mla_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -464,29 +580,49 @@ def _launch(q, cache_args, fp8_args, block_table, cache_seqlens, head_dim_v: int
     max_pages = block_table.shape[1]
     rows = s_q * h_q
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else H100_SMS
-    plan = plan_mla_decode(batch, rows, max_pages * page_size, num_sms, config, q.element_size())
-    if plan.split:
-        part_out = _empty((batch, rows, plan.num_splits, head_dim_v), torch.float32, q.device)
-        part_lse = _empty((batch, rows, plan.num_splits), torch.float32, q.device)
-    else:
-        part_out = part_lse = out  # not touched without SPLIT
+    max_tokens = max_pages * page_size
+    plan = plan_mla_decode(batch, rows, max_tokens, num_sms, config, q.element_size())
+    m_blocks = triton.cdiv(rows, plan.block_m)
+    chunks = 0 if config and "split_size" in config else schedule_chunks(plan, batch, rows, max_tokens, num_sms,
+                                                                         q.element_size())
     cache, stride_cp, stride_ct = cache_args
     scales, rope, stride_sp, stride_st, stride_rp, stride_rt = fp8_args or (out, out, 0, 0, 0, 0)  # unread: bf16
-    grid = (batch * triton.cdiv(rows, plan.block_m), plan.num_splits)
+    if chunks:  # splits sized on the device from the lengths (module docstring: "Splits")
+        schedule = _empty((batch + 3,), torch.int32, q.device)
+        block_b = triton.next_power_of_2(batch)
+        slots = num_sms * resident_per_sm(plan.block_m, plan.block_n, plan.num_stages, plan.num_warps,
+                                          q.element_size())
+        mla_decode_schedule_kernel[(1,)](
+            cache_seqlens, schedule, batch, max_tokens, m_blocks, slots, chunks,
+            BLOCK_B=block_b, BLOCK_C=triton.next_power_of_2(chunks), BLOCK_N=plan.block_n, MIN_SPLIT=MIN_SPLIT_TOKENS,
+            TOLERANCE=SPLIT_TOLERANCE, num_warps=4)
+        part_out = _empty((batch * chunks, rows, head_dim_v), torch.float32, q.device)
+        part_lse = _empty((batch * chunks, rows), torch.float32, q.device)
+        # persistent: one program a resident slot, walking the items
+        grid, num_splits = (min(slots, batch * chunks * m_blocks), 1), chunks
+    else:
+        schedule, block_b, num_splits = cache_seqlens, 1, plan.num_splits  # unread without SCHEDULED
+        if plan.split:
+            part_out = _empty((batch, rows, plan.num_splits, head_dim_v), torch.float32, q.device)
+            part_lse = _empty((batch, rows, plan.num_splits), torch.float32, q.device)
+        else:
+            part_out = part_lse = out  # not touched without SPLIT
+        grid = (batch * m_blocks, plan.num_splits)
+    split = bool(chunks) or plan.split
     mla_decode_split_kernel[grid](
         q, cache, block_table, cache_seqlens, out, lse, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2), stride_cp, stride_ct, block_table.stride(0),
         h_q, s_q, max_pages, plan.num_splits, plan.split_size, scale * LOG2E,
-        scales, rope, stride_sp, stride_st, stride_rp, stride_rt,
+        scales, rope, stride_sp, stride_st, stride_rp, stride_rt, schedule, batch,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, D_V=head_dim_v, D_ROPE=head_dim - head_dim_v,
-        PAGE_SIZE=page_size, CAUSAL=bool(causal), SPLIT=plan.split,
+        PAGE_SIZE=page_size, CAUSAL=bool(causal), SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8_CACHE=fp8_args is not None,
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
-    if plan.split:
+        SCHEDULED=bool(chunks), BLOCK_B=block_b, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if split:
         mla_decode_combine_kernel[(batch * rows,)](
-            part_out, part_lse, cache_seqlens, out, lse, h_q, s_q, max_pages * page_size, plan.num_splits,
-            plan.split_size, D_V=head_dim_v,
-            BLOCK_S=min(MAX_COMBINE_BLOCK, triton.next_power_of_2(plan.num_splits)), num_warps=4)
+            part_out, part_lse, cache_seqlens, out, lse, h_q, s_q, max_tokens, plan.num_splits,
+            plan.split_size, schedule, D_V=head_dim_v,
+            BLOCK_S=min(MAX_COMBINE_BLOCK, triton.next_power_of_2(num_splits)), SCHEDULED=bool(chunks), num_warps=4)
     return out, lse
 
 

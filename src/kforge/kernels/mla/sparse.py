@@ -330,7 +330,7 @@ def launch_sparse_mla(q, q_strides, kv, kv_strides, block_table, cache_seqlens, 
         # every split of the list was written: the list's length stands in for the context's
         written = torch.full((requests,), topk, dtype=torch.int32, device=q.device)
         mla_decode_combine_kernel[(requests * rows,)](
-            part_out, part_lse, written, out, lse, h_q, s_q, topk, plan.num_splits, plan.split_size,
+            part_out, part_lse, written, out, lse, h_q, s_q, topk, plan.num_splits, plan.split_size, written,
             D_V=head_dim_v, BLOCK_S=min(MAX_COMBINE_BLOCK, triton.next_power_of_2(plan.num_splits)), num_warps=4)
 
 
