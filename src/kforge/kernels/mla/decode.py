@@ -21,7 +21,8 @@ bytes: 576 x 2 per cached token (bf16) once, shared by all h_q x s_q rows. So th
 intensity is ~1.9 FLOP/byte per row: at h_q x s_q = 16 (DeepSeek-V3 decode on 8 GPUs) it is
 memory-bound (~30 FLOP/B against the H100's ~300), at 128 rows and above it is compute-bound.
 
-Kernel 1, one program per (request, block of BLOCK_M query rows, split of the context):
+Kernel 1, one program per (request, block of BLOCK_M query rows, split of the context), or,
+scheduled (below), one program a resident slot taking such work from a queue:
 - The rows are (query token i, head h) pairs flattened i-major, so one program holds many
   heads: the cache tile is read once per block of rows, and the scores are one tl.dot of
   [BLOCK_M, 512] x [512, BLOCK_N] plus [BLOCK_M, 64] x [64, BLOCK_N] (two dots because Triton's
@@ -31,39 +32,43 @@ Kernel 1, one program per (request, block of BLOCK_M query rows, split of the co
   first 512 serve as K and as V (acc += P V reuses the loaded tile, no second read).
 - Online softmax in log2 units (log2(e) folded into the scale); a row whose tiles are all
   masked keeps m = -inf and is guarded so exp2(-inf - -inf) never makes a NaN.
-- With one split it normalises and writes out and lse; with several it writes the partial
-  out (normalised, fp32) and its lse to a workspace.
-Kernel 2, one program per (request, query row), only with several splits: lse = log sum_s
-exp(lse_s), out = sum_s exp(lse_s - lse) out_s, over the splits the request has.
+- A request in one split is normalised and written as out and lse; a split of several writes
+  its partial out (normalised, fp32) and its lse to a workspace.
+Kernel 2, one program per (request, query row): lse = log sum_s exp(lse_s), out = sum_s
+exp(lse_s - lse) out_s, over the splits the request has.
 
-Splits (`plan_mla_decode`): G = batch x ceil(h_q s_q / BLOCK_M) programs a split run on
-`resident_per_sm` x SMs slots at once, so a launch takes ceil(G x splits / slots) waves of one
-split's length each. The plan takes the split count that minimises waves x split length, the
-fewest splits within 5% of the best, none shorter than MIN_SPLIT_TOKENS (a split's partials,
-BLOCK_M x 512 x 4 bytes written and read, must stay small next to its split x 1152 bytes of
-cache). It plans from the block table's width (known on the host: no device read, usable in a
-CUDA graph). On the H200 the waves are what counted: at batch 128 and 16 rows, 2 splits (256
-programs, one wave) took 390 us, 3 splits (384 programs, two waves) 495 us, 4 splits 394
-(benchmarks/results/nvidia-h200/mla-decode-sweep.txt). Ragged batches: a program whose split
-starts past its request's length exits at once, and the combine reads only the splits a
-request has; but the plan sizes splits for the longest request, so a batch of lengths drawn
-from [1, 8192] runs at 40% of copy where a full one runs at 70% (FlashMLA's scheduler
-balances tokens across SMs from the lengths on the device: the next step here).
+Splits. G = batch x ceil(h_q s_q / BLOCK_M) programs a split run on `resident_per_sm` x SMs
+slots at once, so a launch takes ceil(G x splits / slots) waves of one split's length each;
+the split count to take minimises waves x split length, the fewest splits within 5% of the
+best, none shorter than MIN_SPLIT_TOKENS (a split's partials, BLOCK_M x 512 x 4 bytes written
+and read, must stay small next to its split x 1152 bytes of cache). On the H200 the waves are
+what counted: at batch 128 and 16 rows, 2 splits (256 programs, one wave) took 390 us, 3
+splits (384 programs, two waves) 495 us, 4 splits 394 (mla-decode-sweep.txt).
+- By default the lengths decide, on the device (`mla_decode_schedule_kernel`, one program in
+  front of the call; no host read, so a CUDA graph may hold it): it applies that rule to the
+  actual lengths, giving request b ceil(len_b / size) items, and kernel 1 runs persistent, one
+  program a slot, each taking the next item from an atomic queue (items differ in length; a
+  fixed share per program lost 10% on a ragged batch). H200, against the host plan below
+  (mla-decode-sweep.txt, part 8): ragged batches 1.13-1.55x faster (batch 128, 16 heads,
+  lengths in [1, 8192]: 359 -> 263 us), full ones 0.89-1.00x (batch 128, 16 heads: 0.97x;
+  batch 32: 0.89x), the difference the schedule's launch and serial loops.
+- `config` with a split_size, or batches past MAX_SCHEDULED_BATCH: `plan_mla_decode` sizes
+  splits on the host from the block table's width, for the longest request; a program whose
+  split starts past its request's length exits at once.
 
 Tiles: BLOCK_M = 64 rows (fewer if h_q x s_q is smaller, at least 16 for tl.dot) on 8 warps;
 16 and 32 rows on 4 warps; BLOCK_N = 32 tokens, 2 stages. The fp32 accumulator is BLOCK_M x
 512 (128 KB at 64 rows), the reason BLOCK_N stays at 32. What Triton 3.6 makes of it for
 sm_90, compiled offline (bf16, causal, split; `tests/kernels/test_mla_decode.py` checks
-these): at BLOCK_M = 64, 232 registers a thread, no spills, 144 KB of shared memory (one
-program an SM), wgmma for both dots; BLOCK_N = 64 needs 216 KB and 255 registers, 4 warps
-spill 1.8 KB a thread, and one stage spills too. At 16 and 32 rows on 4 warps, mma.sync (a
-warpgroup's M is 64); 32 rows spill 14 registers, kept because the H200 ran them 1.7x faster
-than 8 warps. fp32 inputs (a check, not a speed) take 32 x 16 tiles on 8 warps: 214
-registers and 110 KB, no spills; 64-row tiles spill over 10 KB a thread. `config` overrides
-every choice (sweeps, the interpreter tests).
+these): at BLOCK_M = 64, 226-255 registers a thread, 144 KB of shared memory (one program an
+SM), wgmma for both dots; BLOCK_N = 64 needs 216 KB and 255 registers, 4 warps spill 1.8 KB
+a thread, and one stage spills too. At 16 and 32 rows on 4 warps, mma.sync (a warpgroup's M
+is 64); 32 rows spill (10 instructions, 36 with the schedule's loop), kept because the H200
+ran them 1.7x faster than 8 warps. fp32 inputs (a check, not a speed) take 32 x 16 tiles on
+8 warps. `config` overrides every choice (sweeps, the interpreter tests).
 
-Measured on the H200 (`kforge bench mla`, bf16, batch 128): 16 rows at 66-73% of the copy
-rate (2.9-4.1x eager), 32 rows at 50-54%; from 64 rows on it runs at 155-162 TFLOP/s, 20% of
+Measured on the H200 (`kforge bench mla`, bf16, batch 128, the host plan): 16 rows at 66-73%
+of the copy rate (2.9-4.1x eager), 32 rows at 50-54%; from 64 rows on 155-162 TFLOP/s, 20% of
 the matmul rate, whatever the row block (16- and 32-row blocks were slower there): the
 64-row tile's dots, K = 32 tokens deep for P V, are the limit, not the plan.
 """
@@ -233,33 +238,38 @@ def _store_final(out_ptr, lse_ptr, out, lse2, flat, request, head, token_of_row,
 
 @triton.jit
 def mla_decode_schedule_kernel(seqlens_ptr, schedule_ptr, batch, max_tokens, m_blocks, slots, max_chunks,
-                               BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
-                               MIN_SPLIT: tl.constexpr, TOLERANCE: tl.constexpr):
+                               BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                               TOLERANCE: tl.constexpr):
     """One program: the split size for these lengths, and each request's first work item.
 
     For c = 1..max_chunks splits of the longest request (each a multiple of BLOCK_N, none under
     MIN_SPLIT but the whole), the items are sum_b ceil(len_b / size) and the time ~ the waves of
     items x m_blocks programs on `slots` times (size + one tile, a split's fixed cost); the
-    fewest splits within TOLERANCE of the best win. All candidates at once, a [BLOCK_C, BLOCK_B]
-    tile (no serial loop: this launch sits in front of every call). Writes schedule = [size,
-    first item of request 0..batch-1, total items, 0 (the split kernel's queue)]: request b owns
-    items [schedule[1 + b], schedule[2 + b])."""
+    fewest splits within TOLERANCE of the best win. Writes schedule = [size, first item of
+    request 0..batch-1, total items, 0 (the split kernel's queue)]: request b owns items
+    [schedule[1 + b], schedule[2 + b])."""
     offs_b = tl.arange(0, BLOCK_B)
     lens = tl.load(seqlens_ptr + offs_b, mask=offs_b < batch, other=0)
     lens = tl.maximum(tl.minimum(lens, max_tokens), 0)
     longest = tl.maximum(tl.max(lens, 0), 1)
-    chunks = tl.arange(0, BLOCK_C) + 1
-    sizes = tl.cdiv(tl.cdiv(longest, chunks), BLOCK_N) * BLOCK_N
-    items = tl.sum(tl.cdiv(lens[None, :], sizes[:, None]), 1)
-    cost = tl.cdiv(items * m_blocks, slots).to(tl.float32) * (sizes + BLOCK_N).to(tl.float32)
-    allowed = (chunks <= max_chunks) & ((chunks == 1) | (sizes >= MIN_SPLIT))
-    cost = tl.where(allowed, cost, float("inf"))
-    good = cost <= tl.min(cost, 0) * (1.0 + TOLERANCE)
-    fewest = tl.min(tl.where(good, chunks, BLOCK_C + 1), 0)
-    size = tl.sum(tl.where(chunks == fewest, sizes, 0), 0)
-    counts = tl.cdiv(lens, size)
+    best = float("inf")
+    for c in range(1, max_chunks + 1):
+        size = tl.cdiv(tl.cdiv(longest, c), BLOCK_N) * BLOCK_N
+        items = tl.sum(tl.cdiv(lens, size), 0)
+        cost = tl.cdiv(items * m_blocks, slots).to(tl.float32) * (size + BLOCK_N).to(tl.float32)
+        best = tl.where((c == 1) | (size >= MIN_SPLIT), tl.minimum(best, cost), best)
+    chosen = tl.cdiv(longest, BLOCK_N) * BLOCK_N  # one split: always allowed
+    found = 0
+    for c in range(1, max_chunks + 1):
+        size = tl.cdiv(tl.cdiv(longest, c), BLOCK_N) * BLOCK_N
+        items = tl.sum(tl.cdiv(lens, size), 0)
+        cost = tl.cdiv(items * m_blocks, slots).to(tl.float32) * (size + BLOCK_N).to(tl.float32)
+        take = (found == 0) & ((c == 1) | (size >= MIN_SPLIT)) & (cost <= best * (1.0 + TOLERANCE))
+        chosen = tl.where(take, size, chosen)
+        found = tl.where(take, 1, found)
+    counts = tl.cdiv(lens, chosen)
     ends = tl.cumsum(counts, 0)
-    tl.store(schedule_ptr, size)
+    tl.store(schedule_ptr, chosen)
     tl.store(schedule_ptr + 1 + offs_b, ends - counts, mask=offs_b < batch)
     tl.store(schedule_ptr + 1 + batch, tl.sum(counts, 0))
     tl.store(schedule_ptr + 2 + batch, 0)  # the split kernel's work queue
@@ -481,7 +491,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
 
     `validate` reads the lengths and page ids back once to refuse bad ones; pass False where the
     tables are trusted (a serving loop, a CUDA graph): lengths are then clamped to the block-table
-    row. `config` fixes the tiling and the splits (see `plan_mla_decode`)."""
+    row. Splits are sized on the device from the lengths (module docstring: "Splits"); `config`
+    fixes the tiling (see `plan_mla_decode`), and with a split_size the splits, on the host."""
     scale = check_mla_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale)
     if validate:
         check_mla_table_values(block_table, cache_seqlens, kv_cache.shape[0], kv_cache.shape[1])
@@ -594,8 +605,8 @@ def _launch(q, cache_args, fp8_args, block_table, cache_seqlens, head_dim_v: int
                                           q.element_size())
         mla_decode_schedule_kernel[(1,)](
             cache_seqlens, schedule, batch, max_tokens, m_blocks, slots, chunks,
-            BLOCK_B=block_b, BLOCK_C=triton.next_power_of_2(chunks), BLOCK_N=plan.block_n, MIN_SPLIT=MIN_SPLIT_TOKENS,
-            TOLERANCE=SPLIT_TOLERANCE, num_warps=4)
+            BLOCK_B=block_b, BLOCK_N=plan.block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, TOLERANCE=SPLIT_TOLERANCE,
+            num_warps=4)
         part_out = _empty((batch * chunks, rows, head_dim_v), torch.float32, q.device)
         part_lse = _empty((batch * chunks, rows), torch.float32, q.device)
         # persistent: one program a resident slot, walking the items
