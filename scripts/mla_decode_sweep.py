@@ -4,11 +4,13 @@ plan against a grid around it.
     PYTHONPATH=src python scripts/mla_decode_sweep.py      (PARTS=mla-sweep in gpu_check.sh)
 
 The grid: BLOCK_N x warps x stages x splits, the splits named by the programs an SM they give
-(plan_mla_decode's rule with that target), each plan checked against the default's output
+(as many splits as bring the grid to that many), each plan checked against the default's output
 first, then timed after an L2 flush (median of 20). bf16, page 64, random pages, every request
 at s_k tokens. Prints us, GB/s of the cache read once and TFLOP/s. On the H200 this sweep
 found the plan's two changes (benchmarks/results/nvidia-h200/mla-decode-sweep.txt): 4 warps
-at 16 and 32 rows, and split counts that fill whole waves of resident programs.
+at 16 and 32 rows, and split counts that fill whole waves of resident programs. "default" is
+mla_decode's default call: the device schedule (every request is full here, so it picks the
+host plan's splits), on the host plan's tiles.
 """
 
 import kforge  # noqa: F401  (before triton)
@@ -59,9 +61,9 @@ def main():
         default = plan_mla_decode(batch, h_q * s_q, s_k, sms)
         nbytes = cache.numel() * cache.element_size()
         flops = 2 * batch * s_q * h_q * s_k * (D + D_V)
-        print(f"b {batch}, s_k {s_k}, h_q {h_q}, s_q {s_q}: cache {nbytes / 1e9:.2f} GB; default plan M "
-              f"{default.block_m} N {default.block_n}, {default.num_warps} warps, {default.num_stages} stages, "
-              f"{default.num_splits} splits")
+        print(f"b {batch}, s_k {s_k}, h_q {h_q}, s_q {s_q}: cache {nbytes / 1e9:.2f} GB; default: the host plan's "
+              f"tiles M {default.block_m} N {default.block_n}, {default.num_warps} warps, {default.num_stages} stages, "
+              f"and its {default.num_splits} splits, as the device schedule picks them for full requests")
         want, _ = mla_decode(q, cache, table, lens, validate=False)
         fns = checked_variants(variants(batch, s_k, h_q * s_q, sms), lambda c: mla_decode(
             q, cache, table, lens, validate=False, config=c)[0], want)

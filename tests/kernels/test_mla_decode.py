@@ -28,6 +28,7 @@ D, DV, PAGE = 576, 512, 64
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
 SPLIT = {"BLOCK_N": 16, "split_size": 32}  # several splits: both kernels run
 WHOLE = {"BLOCK_N": 32, "split_size": 1024}  # one split: kernel 1 writes out and lse
+SCHEDULED = {"BLOCK_N": 16}  # no split_size: the device schedule (with MIN_SPLIT_TOKENS lowered, several items)
 
 
 @dataclass
@@ -198,12 +199,15 @@ def test_kernel_matches_float64_on_ragged_lengths(dtype, s_q, causal, config, na
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_kernel_row_blocks_with_a_tail(block_m, nan_buffers, mended):
-    # 24 heads x 2 query tokens = 48 rows: blocks of 16 (3 full) and of 32 (one full, one of 16)
+@pytest.mark.parametrize("split", [{"split_size": 48}, {}], ids=["host-splits", "scheduled"])
+def test_kernel_row_blocks_with_a_tail(block_m, split, nan_buffers, mended, monkeypatch):
+    # 24 heads x 2 query tokens = 48 rows: blocks of 16 (3 full) and of 32 (one full, one of 16);
+    # scheduled, the work queue's items are (item, row block) pairs
+    monkeypatch.setattr(decode_module, "MIN_SPLIT_TOKENS", 16)
     latent = _latent([70, 3], torch.bfloat16, seed=5)
     q = _query(2, 2, 24, torch.bfloat16, seed=8)
     out, lse = mla_decode(q, latent.cache, latent.table, latent.seqlens, causal=True,
-                          config={"BLOCK_M": block_m, "BLOCK_N": 16, "split_size": 48})
+                          config={"BLOCK_M": block_m, "BLOCK_N": 16, **split})
     _assert_close(out, lse, *_dense_attention(q, latent.dense, True, 1 / math.sqrt(D)), torch.bfloat16)
 
 
@@ -235,6 +239,8 @@ def test_schedule_of_a_full_batch_is_the_host_plans_choice():
     # 128 requests of 8192 on 264 slots: two splits each, one wave (the H200's fastest)
     size, *starts, total = _schedule([8192] * 128, 1, 264, 9)
     assert (size, total) == (4096, 256) and starts == list(range(0, 256, 2))
+    assert size == plan_mla_decode(128, 16, 8192, num_sms=132).split_size
+    assert _schedule([8192] * 32, 1, 264, 33)[0] == plan_mla_decode(32, 16, 8192, num_sms=132).split_size == 1024
 
 
 def test_schedule_sizes_ragged_splits_from_the_lengths():
@@ -272,6 +278,10 @@ def test_scheduled_splits_match_float64_on_ragged_lengths(dtype, s_q, causal, na
     lengths = [0, 1, 63, 65, 130]
     plan = decode_module.plan_mla_decode(5, 3 * s_q, 192, element_size=torch.finfo(dtype).bits // 8)
     assert decode_module.schedule_chunks(plan, 5, 3 * s_q, 192, decode_module.H100_SMS, 2) > 1
+    chunks = decode_module.schedule_chunks(plan, 5, 3 * s_q, 192, decode_module.H100_SMS, 2)
+    size, *starts, total = _schedule(lengths, 1, 2 * decode_module.H100_SMS, chunks, max_tokens=192)
+    items = [b - a for a, b in zip(starts, [*starts[1:], total])]
+    assert 0 in items and 1 in items and max(items) > 1, items
     latent = _latent(lengths, dtype, seed=s_q, max_pages=3)
     q = _query(5, s_q, 3, dtype, seed=7)
     out, lse = mla_decode(q, latent.cache, latent.table, latent.seqlens, softmax_scale=0.06, causal=causal)
@@ -297,6 +307,7 @@ def test_plan_splits_only_what_does_not_fill_the_gpu():
     assert one.num_splits == 32 and one.split_size == 256
     # a short context never splits below MIN_SPLIT_TOKENS
     assert plan_mla_decode(1, 16, 100).num_splits == 1
+    assert plan_mla_decode(1, 16, 300).num_splits == 1 and plan_mla_decode(1, 16, 600).split_size >= 256
     # fp32 inputs take smaller tiles
     wide = plan_mla_decode(128, 256, 16384, element_size=4)
     assert (wide.block_m, wide.block_n, wide.num_splits) == (32, 16, 1)
@@ -366,14 +377,17 @@ def test_default_tiles_compile_for_the_h100_without_spills():
                                                      "batch")})
     types.update(qk_scale="fp32", schedule_ptr="*i32")
     specs = []
-    for rows, dtype in ((16, "bf16"), (32, "bf16"), (256, "bf16"), (256, "fp32")):
-        # the default path: splits scheduled on the device, 128 requests
+    # the default path (splits scheduled on the device; lengths read in blocks of 128 up to 4096),
+    # and the host plan's (config with a split_size; batches past 4096)
+    for rows, dtype, block_b in ((16, "bf16", 128), (32, "bf16", 128), (256, "bf16", 128), (256, "bf16", 4096),
+                                 (256, "fp32", 128), (16, "bf16", 0), (256, "bf16", 0)):
         plan = plan_mla_decode(128, rows, 16384, element_size=2 if dtype == "bf16" else 4)
         typed = {**types, **{name: f"*{dtype}" for name in ("q_ptr", "cache_ptr", "out_ptr")}}
-        specs.append(spec(f"rows {rows} {dtype}", "kforge.kernels.mla.decode", "mla_decode_split_kernel", typed,
+        label = f"rows {rows} {dtype}" + (" host plan" if not block_b else "" if block_b == 128 else f" {block_b}")
+        specs.append(spec(label, "kforge.kernels.mla.decode", "mla_decode_split_kernel", typed,
                           dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, D_V=DV, D_ROPE=D - DV, PAGE_SIZE=PAGE,
                                CAUSAL=True, SPLIT=True, DOT_PRECISION="tf32" if dtype == "bf16" else "ieee",
-                               SCHEDULED=True, BLOCK_B=128),
+                               SCHEDULED=bool(block_b), BLOCK_B=max(1, block_b)),
                           aligned=pointers + strides[:5], num_warps=plan.num_warps, num_stages=plan.num_stages))
     specs.append(spec("schedule", "kforge.kernels.mla.decode", "mla_decode_schedule_kernel",
                       {"seqlens_ptr": "*i32", "schedule_ptr": "*i32", **{name: "i32" for name in (
@@ -383,7 +397,7 @@ def test_default_tiles_compile_for_the_h100_without_spills():
     # spill instructions and local bytes a thread allowed, as measured: 32 rows on 4 warps spill (10
     # in the static build, 36 with the schedule's work loop), kept as the H200 ran them 1.7x faster
     # than 8 warps, and the scheduled build at 0.985x the static one; 64-row blocks spill 2 with it
-    allowed = {"rows 32 bf16": (40, 96), "rows 256 bf16": (4, 16)}
+    allowed = {"rows 32 bf16": (40, 96), "rows 256 bf16": (4, 16), "rows 256 bf16 4096": (4, 16)}
     for label, used in found.items():
         most_spills, most_local = allowed.get(label, (0, 0))
         assert used["spills"] <= most_spills and used["local"] <= most_local, (label, used)
@@ -409,8 +423,10 @@ def test_fp8_cache_quantizes_each_group_of_128_to_e4m3s_range():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("s_q, causal, config", [(1, False, SPLIT), (2, True, WHOLE)], ids=["split", "whole"])
-def test_fp8_cache_kernel_matches_float64_of_what_it_reads(s_q, causal, config, nan_buffers, mended):
+@pytest.mark.parametrize("s_q, causal, config", [(1, False, SPLIT), (2, True, WHOLE), (2, True, SCHEDULED)],
+                         ids=["split", "whole", "scheduled"])
+def test_fp8_cache_kernel_matches_float64_of_what_it_reads(s_q, causal, config, nan_buffers, mended, monkeypatch):
+    monkeypatch.setattr(decode_module, "MIN_SPLIT_TOKENS", 16)
     latent = _latent([0, 1, 65, 130], torch.bfloat16, seed=s_q)
     fp8 = Fp8LatentCache.quantize(latent.cache)
     q = _query(4, s_q, 3, torch.bfloat16, seed=7)

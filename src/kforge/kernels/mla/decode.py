@@ -50,8 +50,9 @@ splits (384 programs, two waves) 495 us, 4 splits 394 (mla-decode-sweep.txt).
   program a slot, each taking the next item from an atomic queue (items differ in length; a
   fixed share per program lost 10% on a ragged batch). H200, against the host plan below
   (mla-decode-sweep.txt, part 8): ragged batches 1.13-1.55x faster (batch 128, 16 heads,
-  lengths in [1, 8192]: 359 -> 263 us), full ones 0.89-1.00x (batch 128, 16 heads: 0.97x;
-  batch 32: 0.89x), the difference the schedule's launch and serial loops.
+  lengths in [1, 8192]: 359 -> 294 us), full ones 0.89-1.00x (batch 128, 16 heads: 0.97x;
+  batch 32: 0.89x): the schedule's launch and loops, and the scheduled build's spills (below),
+  in shares not measured.
 - `config` with a split_size, or batches past MAX_SCHEDULED_BATCH: `plan_mla_decode` sizes
   splits on the host from the block table's width, for the longest request; a program whose
   split starts past its request's length exits at once.
@@ -87,7 +88,9 @@ H100_SMS = 132
 PROGRAMS_PER_SM = 2  # sparse prefill's list splits
 MIN_SPLIT_TOKENS = 256
 SPLIT_TOLERANCE = 0.05
+MAX_WAVES = 8
 MAX_SCHEDULED_BATCH = 4096
+MAX_SCHEDULE_CHUNKS = 64
 SCHEDULE_SLACK = 4  # the scheduled grid's items, in resident slots' worth
 SM_SHARED_BYTES = 227 * 1024
 SM_REGISTERS = 65536
@@ -349,16 +352,21 @@ def resident_per_sm(block_m: int, block_n: int, num_stages: int, num_warps: int,
 
 
 def _wave_split(programs: int, max_tokens: int, block_n: int, slots: int) -> int:
-    """The split size (a multiple of block_n, no split under MIN_SPLIT_TOKENS) that finishes
-    first when `programs` programs a split run on `slots` resident at once: time ~ waves x split
-    length. The fewest splits within SPLIT_TOLERANCE of the best: the model leaves out what a
-    split costs (the combine's read, the partials' write), and past one wave more splits only
-    trade rounding."""
+    """The split size (a multiple of block_n, none under MIN_SPLIT_TOKENS but the whole) that
+    finishes first when `programs` programs a split run on `slots` resident at once: time ~
+    waves x (split length + one tile, a split's fixed cost), as the device schedule counts it.
+    For w waves the best count is the most that fit in them, floor(w x slots / programs), so
+    only those for w up to MAX_WAVES are tried (past a few waves more splits only trade
+    rounding). The fewest splits within SPLIT_TOLERANCE of the best win: the model leaves out
+    the combine's read and the partials' write."""
     tokens = max(1, max_tokens)
+    most = max(1, math.ceil(tokens / MIN_SPLIT_TOKENS))
+    counts = sorted({1, most} | {min(most, w * slots // max(1, programs)) for w in range(1, MAX_WAVES + 1)} - {0})
     costs = []
-    for splits in range(1, max(1, math.ceil(tokens / MIN_SPLIT_TOKENS)) + 1):
+    for splits in counts:
         size = math.ceil(math.ceil(tokens / splits) / block_n) * block_n
-        costs.append((math.ceil(programs * splits / slots) * size, size))
+        if splits == 1 or size >= MIN_SPLIT_TOKENS:
+            costs.append((math.ceil(programs * splits / slots) * (size + block_n), size))
     best = min(cost for cost, _ in costs)
     return next(size for cost, size in costs if cost <= best * (1 + SPLIT_TOLERANCE))
 
@@ -396,16 +404,18 @@ def plan_mla_decode(batch: int, rows: int, max_tokens: int, num_sms: int = H100_
 
 def schedule_chunks(plan: MlaPlan, batch: int, rows: int, max_tokens: int, num_sms: int, element_size: int) -> int:
     """The most splits a request may get when the device schedules the splits from the lengths
-    (`mla_decode_schedule_kernel`), or 0 for the host's plan alone: batches past
-    MAX_SCHEDULED_BATCH (the schedule reads all lengths in one block), or one split at most.
-    At least the host plan's count (what full-length requests want), and enough that shorter
-    ones can fill SCHEDULE_SLACK x the resident slots: the grid holds batch x this many items."""
-    if batch > MAX_SCHEDULED_BATCH:
+    (`mla_decode_schedule_kernel`, which tries each count up to it), or 0 for the host's plan
+    alone: batches past MAX_SCHEDULED_BATCH (the schedule reads all lengths in one block), host
+    plans past MAX_SCHEDULE_CHUNKS splits (a few long requests: the schedule's loop would cost
+    more than balancing saves), or one split at most. At least the host plan's count (what
+    full-length requests want), and up to SCHEDULE_SLACK x the resident slots' worth of items
+    for shorter ones, capped at MAX_SCHEDULE_CHUNKS; the partials' buffer holds batch x it."""
+    if batch > MAX_SCHEDULED_BATCH or plan.num_splits > MAX_SCHEDULE_CHUNKS:
         return 0
     slots = num_sms * resident_per_sm(plan.block_m, plan.block_n, plan.num_stages, plan.num_warps, element_size)
     most = max(1, math.ceil(max_tokens / MIN_SPLIT_TOKENS))
     wanted = math.ceil(SCHEDULE_SLACK * slots / (batch * math.ceil(rows / plan.block_m)))
-    chunks = min(most, max(plan.num_splits, wanted))
+    chunks = min(most, max(plan.num_splits, min(wanted, MAX_SCHEDULE_CHUNKS)))
     return chunks if chunks > 1 else 0
 
 
@@ -600,7 +610,9 @@ def _launch(q, cache_args, fp8_args, block_table, cache_seqlens, head_dim_v: int
     scales, rope, stride_sp, stride_st, stride_rp, stride_rt = fp8_args or (out, out, 0, 0, 0, 0)  # unread: bf16
     if chunks:  # splits sized on the device from the lengths (module docstring: "Splits")
         schedule = _empty((batch + 3,), torch.int32, q.device)
-        block_b = triton.next_power_of_2(batch)
+        # at least 128: smaller blocks of lengths made ptxas spill hundreds of registers in kernel 1's
+        # 64-row build (2 at 128 and up; tests/kernels/test_mla_decode.py compiles both ends)
+        block_b = max(128, triton.next_power_of_2(batch))
         slots = num_sms * resident_per_sm(plan.block_m, plan.block_n, plan.num_stages, plan.num_warps,
                                           q.element_size())
         mla_decode_schedule_kernel[(1,)](
