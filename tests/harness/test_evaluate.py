@@ -154,3 +154,49 @@ def test_a_kernelbench_problem_without_metadata_evaluates_end_to_end(run):
     assert record.problem["size"] == "full" and record.problem["tags"] == []
     assert record.roofline["flops"] is None and record.roofline["bound"] == "memory"
     assert record.roofline["bytes"] == 3 * 4096 * 4  # two inputs read, one output written
+
+
+# --- a "faster" verdict on host-bound calls whose device work is slower -------------------------
+
+def _host_bound_run(reference_device_ms: float, candidate_device_ms: float, *, host_bound_frac: float = 1.0,
+                    clock: str = "cuda_events"):
+    """A timing run whose calls the host bounds (per call: 0.100 ms reference, 0.090 candidate,
+    as an eager caller waits), with each side's device time as given."""
+    from types import SimpleNamespace
+
+    from kforge.harness.timing import CallProfile, TimingRun, TimingStats
+    from kforge.harness.verdict import judge_speed
+
+    calls = {"reference": [0.100, 0.101, 0.099] * 10, "candidate": [0.090, 0.091, 0.089] * 10}
+    run = TimingRun(stats={name: TimingStats.from_samples(times) for name, times in calls.items()}, clock=clock,
+                    rounds=30, stop_reason="decided", pool_sets=2, pool_bytes=0, flush_bytes=0, cover_ms=None,
+                    rechecked_rounds=0, sync_overhead_ms=None,
+                    profile={"reference": CallProfile(reference_device_ms, 0.100, host_bound_frac, 0.0),
+                             "candidate": CallProfile(candidate_device_ms, 0.090, host_bound_frac, 0.0)})
+    roof = SimpleNamespace(physical_floor_ms=None, floor_ms=None)
+    return run, roof, judge_speed(calls["reference"], calls["candidate"])
+
+
+def test_a_host_bound_win_with_slower_kernels_passes_with_a_warning():
+    from kforge.harness.evaluate import gate2_verdict
+
+    run, roof, verdict = _host_bound_run(0.020, 0.045)
+    assert verdict.status == "faster"
+    warnings, defences = [], []
+    status, reason = gate2_verdict(run, roof, None, "eager", warnings, defences, verdict)
+    assert status == "passed" and reason is None and len(warnings) == 1
+    assert "device time is 2.25x the reference's" in warnings[0] and "CUDA graph" in warnings[0]
+
+
+@pytest.mark.parametrize("reference_ms, candidate_ms, host_bound_frac, clock", [
+    (0.020, 0.015, 1.0, "cuda_events"),  # the kernels are faster too
+    (0.020, 0.0201, 1.0, "cuda_events"),  # slower by less than the noise floor
+    (0.020, 0.045, 0.2, "cuda_events"),  # not host-bound: the per-call time is the device's
+    (0.020, 0.045, 1.0, "host"),  # a CPU device: no device time to compare
+])
+def test_no_warning_where_the_devices_agree_or_cannot_be_compared(reference_ms, candidate_ms, host_bound_frac,
+                                                                  clock):
+    from kforge.harness.evaluate import device_disagrees
+
+    run, _, verdict = _host_bound_run(reference_ms, candidate_ms, host_bound_frac=host_bound_frac, clock=clock)
+    assert verdict.status == "faster" and device_disagrees(run, verdict) is None

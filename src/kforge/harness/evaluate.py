@@ -40,7 +40,7 @@ from kforge.harness.problem import SIZES, Problem, load_problem
 from kforge.harness.record import EvalRecord
 from kforge.harness.roofline import Ceilings, Roofline, get_ceilings, roofline_for
 from kforge.harness.timing import CallProfile, TimingConfig, TimingRun, time_interleaved
-from kforge.harness.verdict import Verdict, judge_speed, paired_ratios, round_ratios
+from kforge.harness.verdict import HOST_BOUND_SHARE, Verdict, judge_speed, paired_ratios, round_ratios
 from kforge.runtime.interpreter import interpreter_active, mend_interpreter
 
 BASELINES = ("eager", "compile")
@@ -295,9 +295,32 @@ def gate2_verdict(run: TimingRun, roof: Roofline, ceilings: Ceilings, baseline: 
     if status == "passed" and verdict.status != "faster":
         status = "slower" if verdict.status == "slower" else "tie"
         reason = f"gate 2 failed against the {baseline} reference: {verdict.describe()}"
+    if status == "passed" and (disagreement := device_disagrees(run, verdict)):
+        warnings.append(disagreement)
     if verdict.undecided:
         warnings.append("the time budget ran out before gate 2 could decide: a longer --time-budget may decide it")
     return status, reason
+
+
+def device_disagrees(run: TimingRun, verdict: Verdict) -> str | None:
+    """The warning for a "faster" verdict on host-bound calls whose device work is the slower.
+    Gate 2 judges each call by what an eager caller waits, max(device, host), so a candidate
+    with a leaner Python path can pass while its kernels take longer; where only the device
+    time counts (a CUDA graph replaying the calls) it is the slower. The verdict stands (it is
+    the contract, and the judge's); the record says both (its profile holds each side's
+    device time). None when the verdict is not "faster", the clock is not the GPU's, neither
+    side was host-bound, or the device times differ by no more than the noise floor."""
+    profile = run.profile
+    if verdict.status != "faster" or run.clock != "cuda_events" or not {"reference", "candidate"} <= profile.keys():
+        return None
+    if all(profile[side].host_bound_frac <= HOST_BOUND_SHARE for side in ("reference", "candidate")):
+        return None
+    reference, candidate = profile["reference"].median_device_ms, profile["candidate"].median_device_ms
+    if reference <= 0 or candidate <= reference * (1 + verdict.noise_floor):
+        return None
+    return (f"faster per call ({verdict.speedup:.3f}x) because the calls are bound by their hosts: the "
+            f"candidate's device time is {candidate / reference:.2f}x the reference's ({candidate:.4g} against "
+            f"{reference:.4g} ms), so where only device time counts (a CUDA graph) it is the slower")
 
 
 def gate2_fields(status: str, run: TimingRun, verdict: Verdict, **extra) -> dict:
