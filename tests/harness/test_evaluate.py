@@ -159,7 +159,7 @@ def test_a_kernelbench_problem_without_metadata_evaluates_end_to_end(run):
 # --- a "faster" verdict on host-bound calls whose device work is slower -------------------------
 
 def _host_bound_run(reference_device_ms: float, candidate_device_ms: float, *, host_bound_frac: float = 1.0,
-                    clock: str = "cuda_events"):
+                    candidate_host_bound_frac: float | None = None, clock: str = "cuda_events"):
     """A timing run whose calls the host bounds (per call: 0.100 ms reference, 0.090 candidate,
     as an eager caller waits), with each side's device time as given."""
     from types import SimpleNamespace
@@ -172,7 +172,9 @@ def _host_bound_run(reference_device_ms: float, candidate_device_ms: float, *, h
                     rounds=30, stop_reason="decided", pool_sets=2, pool_bytes=0, flush_bytes=0, cover_ms=None,
                     rechecked_rounds=0, sync_overhead_ms=None,
                     profile={"reference": CallProfile(reference_device_ms, 0.100, host_bound_frac, 0.0),
-                             "candidate": CallProfile(candidate_device_ms, 0.090, host_bound_frac, 0.0)})
+                             "candidate": CallProfile(candidate_device_ms, 0.090, host_bound_frac
+                                                      if candidate_host_bound_frac is None
+                                                      else candidate_host_bound_frac, 0.0)})
     roof = SimpleNamespace(physical_floor_ms=None, floor_ms=None)
     return run, roof, judge_speed(calls["reference"], calls["candidate"])
 
@@ -180,7 +182,8 @@ def _host_bound_run(reference_device_ms: float, candidate_device_ms: float, *, h
 def test_a_host_bound_win_with_slower_kernels_passes_with_a_warning():
     from kforge.harness.evaluate import gate2_verdict
 
-    run, roof, verdict = _host_bound_run(0.020, 0.045)
+    # the reference's calls host-bound, the candidate's not: either side suffices
+    run, roof, verdict = _host_bound_run(0.020, 0.045, candidate_host_bound_frac=0.2)
     assert verdict.status == "faster"
     warnings, defences = [], []
     status, reason = gate2_verdict(run, roof, None, "eager", warnings, defences, verdict)
