@@ -105,7 +105,7 @@ def test_on_a_cpu_device_an_identity_read_16_percent_faster_is_a_tie():
 
 
 def test_a_side_is_host_bound_when_most_of_its_calls_host_time_exceeds_device_time():
-    from kforge.harness.judge import host_bound
+    from kforge.harness.evaluate import host_bound
     from kforge.harness.timing import CallProfile
 
     def side(frac: float) -> CallProfile:

@@ -302,6 +302,12 @@ def gate2_verdict(run: TimingRun, roof: Roofline, ceilings: Ceilings, baseline: 
     return status, reason
 
 
+def host_bound(profiles: dict[str, CallProfile]) -> bool:
+    """Were either side's calls bounded by its host (the judge: verdict.HOST_BOUND_FLOOR applies)?"""
+    return any(profiles[name].host_bound_frac > HOST_BOUND_SHARE for name in ("reference", "candidate")
+               if name in profiles)
+
+
 def device_disagrees(run: TimingRun, verdict: Verdict) -> str | None:
     """The warning for a "faster" verdict on host-bound calls whose device work is the slower.
     Gate 2 judges each call by what an eager caller waits, max(device, host), so a candidate
@@ -313,7 +319,7 @@ def device_disagrees(run: TimingRun, verdict: Verdict) -> str | None:
     profile = run.profile
     if verdict.status != "faster" or run.clock != "cuda_events" or not {"reference", "candidate"} <= profile.keys():
         return None
-    if all(profile[side].host_bound_frac <= HOST_BOUND_SHARE for side in ("reference", "candidate")):
+    if not host_bound(profile):
         return None
     reference, candidate = profile["reference"].median_device_ms, profile["candidate"].median_device_ms
     if reference <= 0 or candidate <= reference * (1 + verdict.noise_floor):

@@ -46,13 +46,12 @@ from kforge.errors import KforgeError
 from kforge.harness import containment
 from kforge.harness.channel import Channel, ChannelError
 from kforge.harness.evaluate import (AA, BB, STATUS_OF_DEFENCE, TRUSTED, derive_seed, exposed_seeds, gate2_fields,
-                                     gate2_verdict, identity, pair_key, roofline_fields, speed_verdict)
+                                     gate2_verdict, host_bound, identity, pair_key, roofline_fields, speed_verdict)
 from kforge.harness.record import EvalRecord
 from kforge.harness.roofline import Ceilings, get_ceilings, roofline_for
 from kforge.harness.shared import scratch_root
-from kforge.harness.timing import (CallProfile, Clocks, StopRule, TimingConfig, TimingRun, TimingStats,
-                                   call_profiles, per_call_ms, scripted, sync_costs)
-from kforge.harness.verdict import HOST_BOUND_SHARE
+from kforge.harness.timing import (Clocks, StopRule, TimingConfig, TimingRun, TimingStats, call_profiles, per_call_ms,
+                                   scripted, sync_costs)
 
 LOG_TAIL = 4000  # characters of a worker's output kept in a crash record
 HARNESS = Path(__file__).resolve().parent
@@ -163,12 +162,6 @@ def worker_cpus(setting: int | str | None, gpu: int | None, on_gpu: bool, gpus: 
     if setting not in allowed:
         raise KforgeError(f"worker CPU {setting} is not one this process may use ({_ranges(allowed)})")
     return [setting]
-
-
-def host_bound(profiles: dict[str, CallProfile]) -> bool:
-    """Were either side's calls bounded by its host (verdict.HOST_BOUND_FLOOR applies)?"""
-    return any(profiles[name].host_bound_frac > HOST_BOUND_SHARE for name in ("reference", "candidate")
-               if name in profiles)
 
 
 def _ranges(cpus: list[int]) -> str:

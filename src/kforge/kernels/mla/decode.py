@@ -610,8 +610,8 @@ def _launch(q, cache_args, fp8_args, block_table, cache_seqlens, head_dim_v: int
     scales, rope, stride_sp, stride_st, stride_rp, stride_rt = fp8_args or (out, out, 0, 0, 0, 0)  # unread: bf16
     if chunks:  # splits sized on the device from the lengths (module docstring: "Splits")
         schedule = _empty((batch + 3,), torch.int32, q.device)
-        # at least 128: smaller blocks of lengths made ptxas spill hundreds of registers in kernel 1's
-        # 64-row build (2 at 128 and up; tests/kernels/test_mla_decode.py compiles both ends)
+        # at least 128: smaller blocks of lengths made ptxas emit up to hundreds of spill instructions in
+        # kernel 1's 64-row build (2 at 128 and up; tests/kernels/test_mla_decode.py compiles 128 and 4096)
         block_b = max(128, triton.next_power_of_2(batch))
         slots = num_sms * resident_per_sm(plan.block_m, plan.block_n, plan.num_stages, plan.num_warps,
                                           q.element_size())
