@@ -37,6 +37,7 @@
 #                   --batch 64 --prompt 4000, kforge bench model --parts batch against the compiled baseline;
 #                   scripts/paged_decode_batch_sweep.py, attention's tilings against SDPA over a dense cache)
 #   mla-sweep   (scripts/mla_decode_sweep.py: MLA decode's tiles, warps, stages and splits at FlashMLA's shapes)
+#   mla-ab   (MLA decode's CUDA kernel: its GPU tests, then scripts/mla_backend_ab.py, CUDA against Triton)
 #   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
 #   moe-fp8-cuda   (the CUDA grouped FP8 GEMM's GPU tests first, under a 300 s timeout (a hung mbarrier must not
 #                   take the call), then scripts/moe_fp8_grouping_cost.py and kforge bench moe on the fp8 group)
@@ -352,6 +353,12 @@ if [[ $parts == *" batch-decode "* ]]; then
     --results "$out/bench-model-batch.jsonl" 2>&1 | grep -v "UserWarning\|_warn_once" | tee "$out/bench-model-batch.txt" \
     | grep "batch ours\|batch compiled"
   (cd scripts && python3 paged_decode_batch_sweep.py) 2>&1 | tee "$out/paged-decode-batch-sweep.txt" | tail -6
+fi
+if [[ $parts == *" mla-ab "* ]]; then
+  timeout 300 python3 -m pytest -q -m gpu tests/kernels/test_mla_decode_hopper.py 2>&1 | tail -25 \
+    | tee "$out/pytest-gpu-mla-hopper.txt"
+  PYTHONPATH=src:scripts timeout 400 python3 scripts/mla_backend_ab.py ${MLA_AB_LENGTHS:-4096 8192} 2>&1 \
+    | tee "$out/mla-backend-ab.txt"
 fi
 if [[ $parts == *" mla-sweep "* ]]; then
   (cd scripts && python3 mla_decode_sweep.py) 2>&1 | grep -v "UserWarning\|_warn_once" | tee "$out/mla-decode-sweep.txt"

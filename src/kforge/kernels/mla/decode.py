@@ -494,7 +494,8 @@ def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                head_dim_v: int = 512, *, softmax_scale: float | None = None, causal: bool = False,
-               validate: bool = True, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               validate: bool = True, config: dict | None = None,
+               backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(out (batch, s_q, h_q, head_dim_v) in q's dtype, lse (batch, h_q, s_q) fp32) of q
     (batch, s_q, h_q, head_dim) over the latent cache (num_pages, page_size, 1, head_dim) through
     block_table (batch, max_pages) int32 and cache_seqlens (batch,) int32.
@@ -502,7 +503,21 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     `validate` reads the lengths and page ids back once to refuse bad ones; pass False where the
     tables are trusted (a serving loop, a CUDA graph): lengths are then clamped to the block-table
     row. Splits are sized on the device from the lengths (module docstring: "Splits"); `config`
-    fixes the tiling (see `plan_mla_decode`), and with a split_size the splits, on the host."""
+    fixes the tiling (see `plan_mla_decode`), and with a split_size the splits, on the host.
+    `backend`: "triton" (these kernels), "cuda" (decode_hopper.py: DeepSeek's dims, bf16/fp16,
+    pages of 64-256, sm_90), or "auto": the CUDA kernel wherever it takes the inputs and no
+    `config` is given."""
+    if backend not in ("auto", "triton", "cuda"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'cuda', got {backend!r}")
+    if backend != "triton" and not config:
+        from kforge.kernels.mla import decode_hopper
+
+        check_mla_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale)
+        if backend == "cuda" or decode_hopper.hopper_unsupported(q, kv_cache, head_dim_v) is None:
+            return decode_hopper.mla_decode_hopper(q, kv_cache, block_table, cache_seqlens, head_dim_v,
+                                                   softmax_scale=softmax_scale, causal=causal, validate=validate)
+    elif backend == "cuda":
+        raise ValueError("config tunes the Triton kernels: backend 'cuda' takes none")
     scale = check_mla_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale)
     if validate:
         check_mla_table_values(block_table, cache_seqlens, kv_cache.shape[0], kv_cache.shape[1])
