@@ -9,6 +9,7 @@ On a GPU: FlashMLA's shape family at smaller batches, ragged, bf16, against floa
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -487,12 +488,15 @@ def test_fp8_cache_build_compiles_for_the_h100_without_spills():
 @pytest.mark.gpu
 @pytest.mark.parametrize("h_q", [16, 64, 128])
 @pytest.mark.parametrize("s_q", [1, 2])
-def test_gpu_flashmla_shapes_ragged_bf16(h_q, s_q):
+@pytest.mark.parametrize("backend", ["default", "triton"])
+def test_gpu_flashmla_shapes_ragged_bf16(h_q, s_q, backend):
+    """The op's default (on a Hopper GPU the CUDA kernel) and the Triton kernels on the same shapes."""
     lengths = [4096, 1, 63, 64, 65, 1000, 4095, 2049, 0, 3000, 17, 128, 4097 - 64, 777, 2, 4000]
     latent = _latent(lengths, torch.bfloat16, seed=h_q + s_q, device="cuda")
     q = _query(len(lengths), s_q, h_q, torch.bfloat16, seed=11, device="cuda")
     scale = 1 / math.sqrt(192)  # DeepSeek-V3's (128 + 64)^-1/2
-    out, lse = mla_decode_op(q, latent.cache, latent.table, latent.seqlens, softmax_scale=scale, causal=True)
+    call = mla_decode_op if backend == "default" else functools.partial(mla_decode, backend="triton")
+    out, lse = call(q, latent.cache, latent.table, latent.seqlens, softmax_scale=scale, causal=True)
     expected = mla_decode_reference(q.double(), latent.cache.double(), latent.table, latent.seqlens,
                                     softmax_scale=scale, causal=True)
     _assert_close(out, lse, expected[0].cpu(), expected[1].double().cpu(), torch.bfloat16)

@@ -1,5 +1,7 @@
 """MLA decode (FlashMLA's contract): every query head of a request attends to one shared latent
-cache, in two Triton kernels (split-KV partials, then a combine).
+cache, in two Triton kernels (split-KV partials, then a combine). On a Hopper GPU `mla_decode`
+runs kernel 1 in CUDA instead (`decode_hopper.py`: 1.3-3.2x these kernels on the H200) for the
+inputs it takes; these kernels are the fallback, the FP8 cache's path and the CPU's.
 
 DeepSeek-V2/V3 cache one latent per token, c_t (512 dims) and a RoPE key k_r,t (64 dims), for
 all heads at once. With the up-projections absorbed into the query (q'_h = W_UK,h^T q_nope,h,

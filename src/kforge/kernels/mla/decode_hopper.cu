@@ -25,10 +25,16 @@
 // scores are masked to -inf by a select, and each consumer zeroes those rows of its V columns before
 // P V, so a NaN left in the pool cannot reach the output (0 x NaN is NaN).
 //
-// Out: one split (num_splits 1) writes out (q's dtype) and lse (natural log) itself; else each split
-// writes its normalised fp32 output and lse (log2 units) where decode.py's combine reads them:
-// part_out[(request rows + row) num_splits + split][512]. A split starting past its request's length
-// writes nothing (the combine counts only the splits a request has).
+// Why one tile at a time: S_{k+1} issued before P_k V_k (the softmax under the P V) holds both stages
+// through the softmax, so tile k + 2's load starts only as it is due: 1.3-1.45x slower on the H200.
+// Measured (H200, 2026-11-29, kforge bench mla, docs/deepseek.md): 80.7-94.2% of copy where
+// memory-bound, 448-522 TFLOP/s where compute-bound (h_q s_q >= 128); 1.3-3.2x the Triton kernels.
+//
+// Out: a request in one split (whole) writes out (q's dtype) and lse (natural log) itself; else each
+// split writes its normalised fp32 output and lse (log2 units) where decode.py's combine reads them:
+// part_out[(request rows + row) num_splits + split][512] (host plan) or [(first item + split) rows +
+// row][512] (device schedule). A split past its request's length writes nothing (the combine counts
+// only the splits a request has).
 #include "../attention/hopper_attention.cuh"
 #include "../hopper/pipeline.cuh"
 #include "../hopper/tma.cuh"
