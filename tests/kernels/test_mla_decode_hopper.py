@@ -18,8 +18,8 @@ from test_mla_decode import _assert_close, _latent, _query
 from kforge.kernels.mla import decode as decode_module
 from kforge.kernels.mla import decode_hopper
 from kforge.kernels.mla.decode import mla_decode, mla_decode_reference
-from kforge.kernels.mla.decode_hopper import (cluster_size, hopper_unsupported, kernel_defines, mla_decode_hopper,
-                                              plan_splits, schedule_chunks, shared_bytes)
+from kforge.kernels.mla.decode_hopper import (hopper_unsupported, kernel_defines, mla_decode_hopper, plan_splits,
+                                              schedule_chunks, shared_bytes)
 from kforge.runtime.cuda import compile_cuda, resources, sass, sass_loop_instructions
 
 BUILDS = [(causal, dtype, page, scheduled) for causal in (False, True) for dtype in (torch.bfloat16, torch.float16)
@@ -78,26 +78,6 @@ def test_the_tile_loop_splits_both_products_between_the_consumers(build, compile
     waits = [i for i, t in enumerate(body) if t.startswith("WARPGROUP.DEPBAR")]
     exps = [i for i, t in enumerate(body) if t.startswith("MUFU.EX2")]
     assert len(waits) == 2 and waits[0] < min(exps) and max(exps) < waits[1]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("cluster", [2, 4])
-def test_cluster_builds_multicast_each_tile_and_meet_at_the_cluster_barrier(cluster):
-    """Row blocks of one request in a cluster: each CTA loads its share of a tile's 9 chunks into every
-    CTA (TMA multicast), releases a stage in all of them (remote arrives), and no CTA leaves before
-    the others (the cluster barrier); still no spills."""
-    cubin = compile_cuda(decode_hopper.SOURCE, arch="sm_90a", defines=kernel_defines(True, torch.bfloat16, 64, True,
-                                                                                     cluster),
-                         options=decode_hopper.OPTIONS)
-    used, code = resources(cubin)[decode_hopper.KERNEL], sass(cubin)
-    assert (used.spill_stores, used.spill_loads, used.local_bytes) == (0, 0, 0)
-    assert "UTMALDG.2D.MULTICAST" in code and "SYNCS.ARRIVE.TRANS64.RED" in code
-    assert "UCGABAR_ARV" in code and "UCGABAR_WAIT" in code
-    assert "serialized" not in cubin.ptxas_log
-
-
-def test_row_blocks_of_a_request_share_tiles_in_clusters_that_divide_them():
-    assert [cluster_size(m) for m in (1, 2, 3, 4, 6, 8)] == [1, 2, 1, 4, 2, 4]
 
 
 def test_shared_bytes_follow_the_source():

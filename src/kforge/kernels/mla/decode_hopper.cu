@@ -54,9 +54,6 @@
 #ifndef SCHEDULED
 #define SCHEDULED 0  // 1: splits from the device schedule (schedule != null), else from split_size
 #endif
-#ifndef CLUSTER
-#define CLUSTER 1  // CTAs of one request's consecutive 64-row blocks sharing each cache tile by multicast
-#endif
 
 #define D_QK 576  // 512 latent + 64 RoPE values a cache row
 #define D_V 512
@@ -74,7 +71,6 @@
 #define PRODUCER_REGISTERS 24
 #define CONSUMER_REGISTERS 240
 static_assert(PAGE_SIZE % BLOCK_N == 0, "a tile is one page or a 64-token slice of one");
-static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4, "clusters of 1, 2 or 4 row blocks");
 static_assert(SHARED_BYTES <= 227 * 1024, "fits one block's shared memory");
 static_assert((PRODUCER_REGISTERS + 2 * CONSUMER_REGISTERS) * 128 <= 65536, "the register file");
 // Descriptor steps in 16-byte units: a 64-value chunk of a 64-row tile is 8 KB; k16 slices are 32 bytes
@@ -140,25 +136,18 @@ mla_decode_hopper(const __grid_constant__ TensorMap q_map, const __grid_constant
     float* row_max_of = reinterpret_cast<float*>(kv_tiles + STAGES * TILE);  // [consumer][row]
     float* row_sum_of = row_max_of + 2 * BLOCK_M;
     u64* q_full = reinterpret_cast<u64*>(row_sum_of + 2 * BLOCK_M);
-    const StageRing<STAGES, CLUSTER> ring(q_full + 1);
+    const StageRing<STAGES> ring(q_full + 1);
     const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
         mbar_init(q_full, 1);
-        ring.init(1, 8 * CLUSTER);  // the producer's arrive (+ the bytes); each consumer warp's release, cluster-wide
+        ring.init(1, 8);  // the producer's arrive (+ the bytes); each consumer warp's release
         fence_barrier_init();
     }
-    // A CTA of a cluster must not exit while a peer may still write into its stages or arrive on its
-    // barriers, nor may a peer's first multicast find them uninitialised: every thread meets the
-    // cluster barrier after the initialisation and before leaving.
-    if constexpr (CLUSTER > 1) cluster_sync();
-    else __syncthreads();
+    __syncthreads();
 
     if (wg == 0) {
         setmaxnreg_dec<PRODUCER_REGISTERS>();
-        if (threadIdx.x >= 32) {
-            if constexpr (CLUSTER > 1) cluster_sync();
-            return;
-        }
+        if (threadIdx.x >= 32) return;
         const int* table = block_table + size_t(request) * stride_table;
         if (lane == 0) {
             mbar_arrive_expect_tx(q_full, TILE * 2);
@@ -177,18 +166,11 @@ mla_decode_hopper(const __grid_constant__ TensorMap q_map, const __grid_constant
                 const int s = ring.acquire(k);
                 ring.expect(s, TILE * 2);
                 const int row = tile_page * PAGE_SIZE + token0 % PAGE_SIZE;
-                if constexpr (CLUSTER > 1) {  // this CTA's share of the chunks, into every CTA of the cluster
-                    for (int c = cluster_rank(); c < CHUNKS; c += CLUSTER)
-                        tma_load_2d_multicast(kv_tiles + s * TILE + c * BLOCK_N * 64, cache_map, ring.full_bar(s),
-                                              64 * c, row, (1 << CLUSTER) - 1);
-                } else {
-                    for (int c = 0; c < CHUNKS; ++c)
-                        tma_load_2d(kv_tiles + s * TILE + c * BLOCK_N * 64, cache_map, ring.full_bar(s), 64 * c, row);
-                }
+                for (int c = 0; c < CHUNKS; ++c)
+                    tma_load_2d(kv_tiles + s * TILE + c * BLOCK_N * 64, cache_map, ring.full_bar(s), 64 * c, row);
             }
             __syncwarp();
         }
-        if constexpr (CLUSTER > 1) cluster_sync();
         return;
     }
 
@@ -357,5 +339,4 @@ mla_decode_hopper(const __grid_constant__ TensorMap q_map, const __grid_constant
             if (consumer == 0 && lane % 4 == 0) part_lse[partial] = lse2;
         }
     }
-    if constexpr (CLUSTER > 1) cluster_sync();
 }

@@ -36,18 +36,9 @@ DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # -> FP16
 MAX_COMBINE_BLOCK = 16
 
 
-def kernel_defines(causal: bool, dtype: torch.dtype, page_size: int, scheduled: bool = False,
-                   cluster: int = 1) -> dict[str, int]:
-    """The build of decode_hopper.cu for one causal rule, dtype, page size, split source, and
-    cluster size (the row blocks of a request sharing each cache tile)."""
-    return {"CAUSAL": int(causal), "FP16": DTYPES[dtype], "PAGE_SIZE": page_size, "SCHEDULED": int(scheduled),
-            "CLUSTER": cluster}
-
-
-def cluster_size(m_blocks: int) -> int:
-    """A request's 64-row blocks that share each cache tile by TMA multicast: 4 or 2 where they
-    divide its blocks (its CTAs then read each tile from L2 once between them), else 1."""
-    return next(c for c in (4, 2, 1) if m_blocks % c == 0)
+def kernel_defines(causal: bool, dtype: torch.dtype, page_size: int, scheduled: bool = False) -> dict[str, int]:
+    """The build of decode_hopper.cu for one causal rule, dtype, page size, and split source."""
+    return {"CAUSAL": int(causal), "FP16": DTYPES[dtype], "PAGE_SIZE": page_size, "SCHEDULED": int(scheduled)}
 
 
 def shared_bytes(defines: dict[str, int]) -> int:
@@ -111,9 +102,7 @@ def _kernel(defines: tuple):
 @cache
 def _launch(defines: tuple, grid: tuple[int, int], index: int):
     kinds = ("map", "map") + ("ptr",) * 7 + ("i32",) * 6 + ("f32",)
-    cluster = dict(defines)["CLUSTER"]
-    return _kernel(defines).lean(grid, THREADS, index, kinds=kinds, shared_bytes=shared_bytes(dict(defines)),
-                                 cluster=(cluster, 1, 1) if cluster > 1 else None)
+    return _kernel(defines).lean(grid, THREADS, index, kinds=kinds, shared_bytes=shared_bytes(dict(defines)))
 
 
 @cache
@@ -177,7 +166,7 @@ def mla_decode_hopper(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     element = q.element_size()
     q_map = _maps(q.dtype, batch * rows, HEAD_DIM * element, 0).address_of(q.data_ptr())
     cache_map = _maps(q.dtype, pages * page_size, kv_cache.stride(1) * element, 256).address_of(kv_cache.data_ptr())
-    defines = tuple(sorted(kernel_defines(causal, q.dtype, page_size, bool(chunks), cluster_size(m_blocks)).items()))
+    defines = tuple(sorted(kernel_defines(causal, q.dtype, page_size, bool(chunks)).items()))
     _launch(defines, (batch * m_blocks, num_splits), index)(
         torch.cuda.current_stream(q.device).cuda_stream, q_map, cache_map, table.data_ptr(),
         cache_seqlens.data_ptr(), out.data_ptr(), lse.data_ptr(), part_out.data_ptr(), part_lse.data_ptr(),
