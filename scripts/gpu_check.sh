@@ -38,6 +38,7 @@
 #                   scripts/paged_decode_batch_sweep.py, attention's tilings against SDPA over a dense cache)
 #   mla-sweep   (scripts/mla_decode_sweep.py: MLA decode's tiles, warps, stages and splits at FlashMLA's shapes)
 #   mla-ab   (MLA decode's CUDA kernel: its GPU tests, then scripts/mla_backend_ab.py, CUDA against Triton)
+#   mla-stages   (scripts/mla_hopper_stages.py: the CUDA MLA kernel with one stage of its tile left out, timed)
 #   moe   (the MoE family's GPU tests: routers, dispatch and combine, the grouped GEMMs)
 #   moe-fp8-cuda   (the CUDA grouped FP8 GEMM's GPU tests first, under a 300 s timeout (a hung mbarrier must not
 #                   take the call), then scripts/moe_fp8_grouping_cost.py and kforge bench moe on the fp8 group)
@@ -359,6 +360,9 @@ if [[ $parts == *" mla-ab "* ]]; then
     | tee "$out/pytest-gpu-mla-hopper.txt"
   PYTHONPATH=src:scripts timeout 400 python3 scripts/mla_backend_ab.py ${MLA_AB_LENGTHS:-4096 8192} 2>&1 \
     | tee "$out/mla-backend-ab.txt"
+fi
+if [[ $parts == *" mla-stages "* ]]; then
+  PYTHONPATH=src:scripts timeout 300 python3 scripts/mla_hopper_stages.py 2>&1 | tee "$out/mla-hopper-stages.txt"
 fi
 if [[ $parts == *" mla-sweep "* ]]; then
   (cd scripts && python3 mla_decode_sweep.py) 2>&1 | grep -v "UserWarning\|_warn_once" | tee "$out/mla-decode-sweep.txt"

@@ -61,23 +61,28 @@ def test_every_build_fits_without_spills_and_moves_registers_to_the_consumers(bu
 @pytest.mark.slow
 @pytest.mark.parametrize("build", [BUILDS[0], BUILDS[3], BUILDS[5]], ids=_build_id)
 def test_the_tile_loop_splits_both_products_between_the_consumers(build, compiled):
-    """The loop over the cache tiles holds a consumer's whole share of a tile: S over 32 tokens as 36
-    64x32x16 wgmmas (576 / 16), P V over its 256 value columns as 4 64x256x16 wgmmas (64 tokens / 16),
-    the two 256-thread barriers (the row max, then P whole), and stmatrix for its P half."""
+    """Each consumer has its own tile loop, unrolled by the two stages (so the consumer and the stage
+    are constants in every wgmma descriptor). A pass holds two tiles of one consumer's share: per
+    tile, S over 32 tokens as 36 64x32x16 wgmmas (576 / 16), P V over its 256 value columns as 4
+    64x256x16 wgmmas (64 tokens / 16), the two 256-thread barriers (the row max, then P whole),
+    stmatrix for its P half, and two waits: S's before the softmax's exp2s, P V's after them."""
     _, code, _ = compiled[build]
-    # the shortest: the other loops holding it are the spin waits' out-of-line retries branching back
-    body = min((body for body in sass_loop_instructions(code) if any(t.startswith("HGMMA") for t in body)), key=len)
+    # the two shortest: the other loops holding them are the spin waits' out-of-line retries branching back
+    loops = sorted((body for body in sass_loop_instructions(code) if any(t.startswith("HGMMA") for t in body)),
+                   key=len)[:2]
     kind = "F32" if build[1] == torch.float16 else "F32.BF16"  # (fp16 operands carry no suffix)
-    assert sum(t.split()[0] == f"HGMMA.64x32x16.{kind}" for t in body) == 36
-    assert sum(t.split()[0] == f"HGMMA.64x256x16.{kind}" for t in body) == 4
-    assert sum(t.startswith("BAR.SYNC") and "0x1, 0x100" in t for t in body) == 2
-    assert sum(t.startswith("STSM") for t in body) == 2
-    assert sum(t.startswith("MUFU.EX2") for t in body) == 16 + 2  # 16 scores a thread, a rescale a row
-    # two waits a tile, not one a wgmma (ptxas serializes wgmmas it cannot prove apart: C7514): S, then
-    # after the softmax, P V
-    waits = [i for i, t in enumerate(body) if t.startswith("WARPGROUP.DEPBAR")]
-    exps = [i for i, t in enumerate(body) if t.startswith("MUFU.EX2")]
-    assert len(waits) == 2 and waits[0] < min(exps) and max(exps) < waits[1]
+    for body in loops:
+        assert sum(t.split()[0] == f"HGMMA.64x32x16.{kind}" for t in body) == 2 * 36
+        assert sum(t.split()[0] == f"HGMMA.64x256x16.{kind}" for t in body) == 2 * 4
+        assert sum(t.startswith("BAR.SYNC") and "0x1, 0x100" in t for t in body) == 2 * 2
+        assert sum(t.startswith("STSM") for t in body) == 2 * 2
+        # a wait a group, not one a wgmma (ptxas serializes wgmmas it cannot prove apart: C7514)
+        waits = [i for i, t in enumerate(body) if t.startswith("WARPGROUP.DEPBAR")]
+        exps = [i for i, t in enumerate(body) if t.startswith("MUFU.EX2")]
+        assert len(waits) == 4
+        for first, second in ((0, 1), (2, 3)):  # 16 scores a thread and a rescale a row, between a tile's waits
+            assert sum(waits[first] < i < waits[second] for i in exps) == 16 + 2
+        assert len(body) < 2 * 750, "descriptor arithmetic back in the loop (823 a tile before the constants)"
 
 
 def test_shared_bytes_follow_the_source():

@@ -25,6 +25,10 @@
 // scores are masked to -inf by a select, and each consumer zeroes those rows of its V columns before
 // P V, so a NaN left in the pool cannot reach the output (0 x NaN is NaN).
 //
+// The consumer's index and the stage are compile-time constants in each copy of the tile loop (one
+// a consumer, unrolled by the two stages), so the wgmma descriptors are constant offsets; the output
+// rescale is skipped where no row of the warp has a new max. Together 2-3% (823 -> ~620 instructions a
+// tile; scripts/mla_hopper_stages.py says where the rest goes).
 // Why one tile at a time: S_{k+1} issued before P_k V_k (the softmax under the P V) holds both stages
 // through the softmax, so tile k + 2's load starts only as it is due: 1.3-1.45x slower on the H200.
 // Measured (H200, 2026-11-29, kforge bench mla, docs/deepseek.md): 80.7-94.2% of copy where
@@ -105,6 +109,8 @@ __device__ __forceinline__ void wgmma_values(float (&d)[128], u64 a_desc, u64 b_
     else MLA_WGMMA_PV("bf16");
 }
 
+template <int N> struct Index { static constexpr int value = N; };  // a compile-time int as a type
+
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 mla_decode_hopper(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap cache_map,
                   const int* __restrict__ block_table, const int* __restrict__ seqlens, bf16_bits* __restrict__ out,
@@ -137,7 +143,9 @@ mla_decode_hopper(const __grid_constant__ TensorMap q_map, const __grid_constant
     float* row_sum_of = row_max_of + 2 * BLOCK_M;
     u64* q_full = reinterpret_cast<u64*>(row_sum_of + 2 * BLOCK_M);
     const StageRing<STAGES> ring(q_full + 1);
-    const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
+    // (a shuffle from lane 0: ptxas then knows the warpgroup index is warp-uniform, so the branch on it below
+    // does not count as divergent around the wgmmas)
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0), lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
         mbar_init(q_full, 1);
         ring.init(1, 8);  // the producer's arrive (+ the bytes); each consumer warp's release
@@ -175,7 +183,13 @@ mla_decode_hopper(const __grid_constant__ TensorMap q_map, const __grid_constant
     }
 
     setmaxnreg_inc<CONSUMER_REGISTERS>();
-    const int consumer = wg - 1, thread = threadIdx.x % 128, warp = thread / 32;
+    // The consumer's index and the stage are compile-time constants in the code below (one copy of the
+    // loop per consumer, the tile loop unrolled by the stages), so every wgmma descriptor is a constant
+    // offset from one base: per wgmma, ptxas had spent ~7 instructions moving runtime descriptors into
+    // uniform registers (290 of the tile's 823).
+    auto consume = [&](auto which) {
+    constexpr int consumer = decltype(which)::value;
+    const int thread = threadIdx.x % 128, warp = thread / 32;
     int row_in_block[2], limit[2];  // this thread's rows (h = 0, 1) and the tokens each sees
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -192,11 +206,11 @@ mla_decode_hopper(const __grid_constant__ TensorMap q_map, const __grid_constant
     float row_max[2] = {ATTENTION_NEG_INF, ATTENTION_NEG_INF}, row_sum[2] = {0.0f, 0.0f}, rescale[2];
 #pragma unroll
     for (int i = 0; i < V_HALF / 2; ++i) o[i] = 0.0f;
-    RingCursor<STAGES> at;
 
-    auto issue_scores = [&]() {
-        ring.wait(at.stage, at.phase);
-        const u64 stage = at.stage * STAGE_STEP;
+    auto issue_scores = [&](auto stage_c, u32 phase) {
+        constexpr int at_stage = decltype(stage_c)::value;
+        ring.wait(at_stage, phase);
+        constexpr u64 stage = at_stage * STAGE_STEP;
 #pragma unroll
         for (int ks = 0; ks < D_QK / 16; ++ks)
             wgmma_scores(s, q_desc + (ks / 4) * CHUNK_STEP + (ks % 4) * STEP_IN_CHUNK,
@@ -206,9 +220,9 @@ mla_decode_hopper(const __grid_constant__ TensorMap q_map, const __grid_constant
     // Tile k's scores (landed) into P_k: the row max of both halves (barrier 1), exp2, this consumer's row
     // sums, P_k's half over the stage's RoPE chunk (its scores are done: both consumers passed barrier 1),
     // and a request's last tile's stale V rows zeroed; barrier 2: P_k whole.
-    auto softmax = [&](int k) {
+    auto softmax = [&](int k, auto stage_c) {
         const int token0 = start + k * BLOCK_N;
-        bf16_bits* tile = kv_tiles + at.stage * TILE;
+        bf16_bits* tile = kv_tiles + decltype(stage_c)::value * TILE;
         if (token0 + BLOCK_N > mask_from) {  // the split's tail or the causal edge
             const int key = token0 + consumer * HALF_N + 2 * (lane % 4);
 #pragma unroll
@@ -266,40 +280,47 @@ mla_decode_hopper(const __grid_constant__ TensorMap q_map, const __grid_constant
     };
 
     // O times the tile's factors, then O += P V over this consumer's 256 columns; the stage is free after.
+    // (skipped where no row of the warp has a new max: a factor of exactly 1, most tiles once the max settles)
     auto rescale_output = [&]() {
+        if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f)) {
 #pragma unroll
-        for (int i = 0; i < V_HALF / 8; ++i)
-            o[4 * i] *= rescale[0], o[4 * i + 1] *= rescale[0], o[4 * i + 2] *= rescale[1], o[4 * i + 3] *= rescale[1];
+            for (int i = 0; i < V_HALF / 8; ++i)
+                o[4 * i] *= rescale[0], o[4 * i + 1] *= rescale[0], o[4 * i + 2] *= rescale[1],
+                    o[4 * i + 3] *= rescale[1];
+        }
         pin(o);
         wgmma_fence();
     };
-    auto issue_values = [&]() {
-        const u64 stage = at.stage * STAGE_STEP;
+    auto issue_values = [&](auto stage_c) {
+        constexpr u64 stage = decltype(stage_c)::value * STAGE_STEP;
 #pragma unroll
         for (int ks = 0; ks < BLOCK_N / 16; ++ks)
             wgmma_values(o, p_desc + stage + ks * STEP_IN_CHUNK, v_desc + stage + ks * V_SLICE_STEP, 1);
         wgmma_commit();
     };
-    auto retire_values = [&]() {
+    auto retire_values = [&](auto stage_c) {
         wgmma_wait<0>();
         pin(o);
-        ring.release(at.stage, lane);
-        at.advance();
+        ring.release(decltype(stage_c)::value, lane);
     };
     // One tile at a time: S, its softmax, P V, then the stage is free. (Issuing S_{k+1} before P_k V_k, to run
     // the softmax under P V, holds both stages through it, so tile k + 2's load could start only as tile
     // k + 1's scores were due: 1.3-1.45x slower on the H200, memory- and compute-bound alike; the worklog.)
-    mbar_wait(q_full, 0);
-    for (int k = 0; k < tiles; ++k) {
+    auto step = [&](int k, auto stage_c) {
         wgmma_fence();
-        issue_scores();
+        issue_scores(stage_c, (k / STAGES) & 1);
         wgmma_wait<0>();
         pin(s);
-        softmax(k);
+        softmax(k, stage_c);
         rescale_output();
-        issue_values();
-        retire_values();
-    }
+        issue_values(stage_c);
+        retire_values(stage_c);
+    };
+    mbar_wait(q_full, 0);
+    static_assert(STAGES == 2, "the tile loop is unrolled by two stages");
+    int k = 0;
+    for (; k + 1 < tiles; k += 2) step(k, Index<0>{}), step(k + 1, Index<1>{});
+    if (k < tiles) step(k, Index<0>{});
 
     // Epilogue: the two consumers' row sums added, then O / l and the lse of each real row.
     float total[2];
@@ -339,4 +360,7 @@ mla_decode_hopper(const __grid_constant__ TensorMap q_map, const __grid_constant
             if (consumer == 0 && lane % 4 == 0) part_lse[partial] = lse2;
         }
     }
+    };
+    if (wg == 1) consume(Index<0>{});
+    else consume(Index<1>{});
 }
