@@ -31,8 +31,9 @@
 // tile; scripts/mla_hopper_stages.py says where the rest goes).
 // Why one tile at a time: S_{k+1} issued before P_k V_k (the softmax under the P V) holds both stages
 // through the softmax, so tile k + 2's load starts only as it is due: 1.3-1.45x slower on the H200.
-// Measured (H200, 2026-11-29, kforge bench mla, docs/deepseek.md): 80.7-94.2% of copy where
-// memory-bound, 448-522 TFLOP/s where compute-bound (h_q s_q >= 128); 1.3-3.2x the Triton kernels.
+// Measured (H200, 2026-11-29, kforge bench mla, docs/deepseek.md): 77-91% of copy where memory-bound,
+// 435-513 TFLOP/s where compute-bound (h_q s_q >= 128; a run before the constants, on another machine:
+// 80.7-94.2% and 448-522); 1.3-3.1x the Triton kernels.
 //
 // Out: a request in one split (whole) writes out (q's dtype) and lse (natural log) itself; else each
 // split writes its normalised fp32 output and lse (log2 units) where decode.py's combine reads them:
