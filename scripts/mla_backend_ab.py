@@ -35,7 +35,8 @@ def shape_rows(s_k: int):
 
 def main():
     lengths_k = [int(a) for a in sys.argv[1:]] or [4096, 8192]
-    print(f"{'shape':<34} {'backend':<9} {'us':>8} {'GB/s':>7} {'% copy':>7} {'TFLOP/s':>8} {'x triton':>8}  max |diff|")
+    print(f"{'shape':<34} {'backend':<9} {'us':>8} {'GB/s':>7} {'% copy':>7} {'TFLOP/s':>8} {'x triton':>8}  "
+          "max |diff|")
     for s_k in lengths_k:
         for batch, s_k, h_q, s_q, ragged in shape_rows(s_k):
             pages_each = s_k // PAGE
@@ -52,12 +53,16 @@ def main():
             calls = {backend: (lambda b=backend: mla_decode(q, cache, table, lens, causal=causal, validate=False,
                                                             backend=b))
                      for backend in ("triton", "cuda")}
-            host_split, _ = plan_splits(batch, h_q * s_q, s_k, torch.cuda.get_device_properties(0).multi_processor_count)
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            host_split, _ = plan_splits(batch, h_q * s_q, s_k, sms)
             calls["cuda host"] = lambda: mla_decode_hopper(q, cache, table, lens, causal=causal, validate=False,
                                                            split_size=host_split)
             want = calls["triton"]()
-            diffs = {name: ((want[0].float() - got[0].float()).abs().max().item(), (want[1] - got[1]).abs().max().item())
-                     for name, got in ((name, calls[name]()) for name in ("cuda", "cuda host"))}
+            diffs = {}
+            for name in ("cuda", "cuda host"):
+                got = calls[name]()
+                diffs[name] = ((want[0].float() - got[0].float()).abs().max().item(),
+                               (want[1] - got[1]).abs().max().item())
             times = median_ms(calls, 15)
             host = [int(n) for n in lens.tolist()]
             nbytes = sum(host) * D * 2

@@ -1,5 +1,6 @@
-"""MLA decode's tilings and splits at FlashMLA's memory-bound shapes, kernel alone: the default
-plan against a grid around it.
+"""MLA decode's Triton tilings and splits at FlashMLA's memory-bound shapes, kernel alone: the
+default plan against a grid around it (`backend="triton"`: on a Hopper GPU mla_decode's own
+default is the CUDA kernel, scripts/mla_backend_ab.py).
 
     PYTHONPATH=src python scripts/mla_decode_sweep.py      (PARTS=mla-sweep in gpu_check.sh)
 
@@ -64,7 +65,7 @@ def main():
         print(f"b {batch}, s_k {s_k}, h_q {h_q}, s_q {s_q}: cache {nbytes / 1e9:.2f} GB; default: the host plan's "
               f"tiles M {default.block_m} N {default.block_n}, {default.num_warps} warps, {default.num_stages} stages, "
               f"and its {default.num_splits} splits, as the device schedule picks them for full requests")
-        want, _ = mla_decode(q, cache, table, lens, validate=False)
+        want, _ = mla_decode(q, cache, table, lens, validate=False, backend="triton")
         fns = checked_variants(variants(batch, s_k, h_q * s_q, sms), lambda c: mla_decode(
             q, cache, table, lens, validate=False, config=c)[0], want)
         times = median_ms(fns, 20)

@@ -503,11 +503,13 @@ def test_gpu_flashmla_shapes_ragged_bf16(h_q, s_q, backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_gpu_other_dtypes_and_one_long_request(dtype):
+@pytest.mark.parametrize("dtype, backend", [(torch.float16, "auto"), (torch.float16, "triton"),
+                                            (torch.float32, "auto")])
+def test_gpu_other_dtypes_and_one_long_request(dtype, backend):
+    """fp16 on the default (on a Hopper GPU the CUDA kernel) and on the Triton kernels; fp32 (Triton's)."""
     latent = _latent([16384, 300], dtype, seed=1, device="cuda")
     q = _query(2, 2, 16, dtype, seed=12, device="cuda")
-    out, lse = mla_decode(q, latent.cache, latent.table, latent.seqlens, causal=True)
+    out, lse = mla_decode(q, latent.cache, latent.table, latent.seqlens, causal=True, backend=backend)
     expected = mla_decode_reference(q.double(), latent.cache.double(), latent.table, latent.seqlens, causal=True)
     tolerance = TOLERANCE[torch.float32] * 10 if dtype == torch.float32 else 2e-3  # fp32 inputs run tf32-free ieee
     out64, lse64 = out.double().cpu(), lse.double().cpu()

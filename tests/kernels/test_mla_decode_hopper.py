@@ -85,11 +85,21 @@ def test_the_tile_loop_splits_both_products_between_the_consumers(build, compile
         assert len(body) < 2 * 750, "descriptor arithmetic back in the loop (823 a tile before the constants)"
 
 
+def _source_shared_bytes(stages: int) -> int:
+    """The .cu's SHARED_BYTES expression, its macros expanded and evaluated (what check_launch tests)."""
+    macros = dict(re.findall(r"^#define (\w+) (.+?)(?:\s*//.*)?$", decode_hopper.SOURCE.read_text(), re.MULTILINE))
+    macros["STAGES"] = str(stages)
+    expression = "SHARED_BYTES"
+    while re.search(r"[A-Z_]{2,}", expression):
+        expression = re.sub(r"\b([A-Z_][A-Z0-9_]+)\b", lambda m: f"({macros[m.group(1)]})", expression)
+    return eval(expression)  # integers and + - * / only
+
+
 def test_shared_bytes_follow_the_source():
     defines = kernel_defines(False, torch.bfloat16, 64)
     tile = 64 * 576 * 2
-    assert shared_bytes(defines) == 3 * tile + 16 * 64 + 8 * 5 + 1024
-    assert shared_bytes({**defines, "STAGES": 1}) == shared_bytes(defines) - tile - 16
+    assert shared_bytes(defines) == _source_shared_bytes(2) == 3 * tile + 16 * 64 + 8 * 5 + 1024
+    assert shared_bytes({**defines, "STAGES": 1}) == _source_shared_bytes(1) == shared_bytes(defines) - tile - 16
 
 
 def test_splits_fill_whole_waves_of_one_cta_an_sm():
@@ -111,7 +121,21 @@ def test_schedule_leaves_room_for_shorter_requests_and_none_where_one_split_is_a
 def test_what_the_kernel_does_not_take_is_named():
     q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
     cache = torch.zeros(4, 64, 1, 576, dtype=torch.bfloat16)
-    assert "Hopper" in hopper_unsupported(q, cache, 512)
+    assert hopper_unsupported(q, cache, 512, 0.1) == "needs a Hopper GPU (sm_90: wgmma and TMA)"  # the rest fits
+    reasons = {
+        "takes bfloat16 or float16": (q.float(), cache.float(), 512, 0.1),
+        "takes head dims 576 / 512": (q[..., :320], cache[..., :320], 256, 0.1),
+        "takes pages of 64, 128, 256 tokens, not 32": (q, cache.view(8, 32, 1, 576), 512, 0.1),
+        "needs pages of packed": (q, torch.zeros(8, 64, 1, 576, dtype=torch.bfloat16)[::2], 512, 0.1),  # every 2nd
+        "needs q to start on 16 bytes": (torch.zeros(16 * 576 + 1, dtype=torch.bfloat16)[1:].view(1, 1, 16, 576),
+                                         cache, 512, 0.1),
+        "takes a softmax scale above 0": (q, cache, 512, 0.0),
+    }
+    for reason, args in reasons.items():
+        assert hopper_unsupported(*args).startswith(reason), reason
+    # rows padded past 576 values are fine: TMA takes any 16-byte row stride
+    padded = torch.zeros(4, 64, 1, 640, dtype=torch.bfloat16)[..., :576]
+    assert hopper_unsupported(q, padded, 512, 0.1).startswith("needs a Hopper GPU")
     table, lens = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="^mla_decode_hopper needs a Hopper GPU"):
         mla_decode_hopper(q, cache, table, lens)
@@ -155,15 +179,24 @@ def test_gpu_matches_float64_on_ragged_lengths(h_q, s_q, causal, split_size, nan
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("page", [128, 256])
-def test_gpu_larger_pages_and_fp16(page, nan_buffers):
+@pytest.mark.parametrize("split_size", [None, 128, 1 << 16], ids=["scheduled", "split128", "one-split"])
+def test_gpu_larger_pages_and_fp16(page, split_size, nan_buffers):
+    """Pages of 128 and 256 tokens in fp16, every slot past a request's length NaN (the tail's V rows are
+    zeroed in shared memory); the device schedule, several host splits, and one split (kernel 1 writes
+    out and lse itself, the empty request included)."""
     g = torch.Generator().manual_seed(page)
     lengths = [1000, 5, 0, 513]
     pages_each = max(math.ceil(n / page) for n in lengths)
-    pool = torch.randn(len(lengths) * pages_each + 1, page, 1, 576, generator=g).half().cuda()
-    table = torch.randperm(len(pool), generator=g)[:len(lengths) * pages_each].view(len(lengths), -1).int().cuda()
+    pool = torch.randn(len(lengths) * pages_each + 1, page, 1, 576, generator=g).half()
+    table = torch.randperm(len(pool), generator=g)[:len(lengths) * pages_each].view(len(lengths), -1).int()
+    for b, n in enumerate(lengths):  # NaN in every slot no request holds
+        slots = pool[table[b].long()].view(-1, 576)
+        slots[n:] = float("nan")
+        pool[table[b].long()] = slots.view(-1, page, 1, 576)
+    pool, table = pool.cuda(), table.cuda()
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     q = torch.randn(len(lengths), 2, 16, 576, generator=g).half().cuda()
-    out, lse = mla_decode_hopper(q, pool, table, lens, causal=True, split_size=128)
+    out, lse = mla_decode_hopper(q, pool, table, lens, causal=True, split_size=split_size)
     expected = mla_decode_reference(q.double(), pool.double(), table, lens, causal=True)
     assert out.dtype == torch.float16
     assert (out.double() - expected[0].double()).abs().max() / expected[0].abs().max() < 2e-3

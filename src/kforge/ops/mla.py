@@ -8,8 +8,9 @@ multi-head latent attention at decode over a paged latent cache, FlashMLA's cont
 
 `kforge.kernels.mla.decode` states the math, the causal rule over s_q, the split-KV design and
 the FLOP and byte counts. A `torch.library` custom op (`kforge::mla_decode`) with a fake
-implementation. The Triton kernels run for bf16/fp16/fp32 CUDA tensors on sm_80 or newer;
-elsewhere the op runs the float64 reference. Malformed inputs raise ValueError first; with
+implementation. On CUDA tensors it runs `mla_decode`'s default: the CUDA kernel for Hopper
+(decode_hopper.py) where it takes the inputs, else the Triton kernels (bf16/fp16/fp32, sm_80 or
+newer); elsewhere the op runs the float64 reference. Malformed inputs raise ValueError first; with
 validate=True (the default) one device-to-host read refuses lengths past the block table and
 page ids outside the pool; pass validate=False in a serving loop or a CUDA graph.
 """

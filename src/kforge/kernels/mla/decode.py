@@ -1,6 +1,6 @@
 """MLA decode (FlashMLA's contract): every query head of a request attends to one shared latent
 cache, in two Triton kernels (split-KV partials, then a combine). On a Hopper GPU `mla_decode`
-runs kernel 1 in CUDA instead (`decode_hopper.py`: 1.3-3.2x these kernels on the H200) for the
+runs kernel 1 in CUDA instead (`decode_hopper.py`: 1.3-3.1x these kernels on the H200) for the
 inputs it takes; these kernels are the fallback, the FP8 cache's path and the CPU's.
 
 DeepSeek-V2/V3 cache one latent per token, c_t (512 dims) and a RoPE key k_r,t (64 dims), for
@@ -514,8 +514,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     if backend != "triton" and not config:
         from kforge.kernels.mla import decode_hopper
 
-        check_mla_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale)
-        if backend == "cuda" or decode_hopper.hopper_unsupported(q, kv_cache, head_dim_v) is None:
+        scale = check_mla_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale)
+        if backend == "cuda" or decode_hopper.hopper_unsupported(q, kv_cache, head_dim_v, scale) is None:
             return decode_hopper.mla_decode_hopper(q, kv_cache, block_table, cache_seqlens, head_dim_v,
                                                    softmax_scale=softmax_scale, causal=causal, validate=validate)
     elif backend == "cuda":

@@ -265,7 +265,8 @@ mla_decode_hopper(const __grid_constant__ TensorMap q_map, const __grid_constant
             const int valid = end - token0;
             for (int unit = thread; unit < (BLOCK_N - valid) * 4 * 8; unit += 128) {  // 16-byte units
                 const int r = valid + unit / 32, chunk = consumer * 4 + (unit / 8) % 4;
-                *reinterpret_cast<uint4*>(tile + chunk * BLOCK_N * 64 + r * 64 + (unit % 8) * 8) = make_uint4(0, 0, 0, 0);
+                *reinterpret_cast<uint4*>(tile + chunk * BLOCK_N * 64 + r * 64 + (unit % 8) * 8) =
+                    make_uint4(0, 0, 0, 0);
             }
         }
         const int q = lane / 8, r = 16 * warp + lane % 8 + 8 * (q % 2);  // stmatrix (store_rows_swizzled's)
@@ -345,7 +346,8 @@ mla_decode_hopper(const __grid_constant__ TensorMap q_map, const __grid_constant
             bf16_bits* dst = out + flat * D_V + col0;
 #pragma unroll
             for (int i = 0; i < V_HALF / 8; ++i)
-                *reinterpret_cast<u32*>(dst + 8 * i) = pack_pair<FP16>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+                *reinterpret_cast<u32*>(dst + 8 * i) =
+                    pack_pair<FP16>(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
             if (consumer == 0 && lane % 4 == 0)
                 lse[(size_t(request) * h_q + row % h_q) * s_q + row / h_q] = lse2 * 0.69314718055994531f;  // x ln 2
         } else {
@@ -357,7 +359,8 @@ mla_decode_hopper(const __grid_constant__ TensorMap q_map, const __grid_constant
             float* dst = part_out + partial * D_V + col0;
 #pragma unroll
             for (int i = 0; i < V_HALF / 8; ++i)
-                *reinterpret_cast<float2*>(dst + 8 * i) = make_float2(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+                *reinterpret_cast<float2*>(dst + 8 * i) =
+                    make_float2(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
             if (consumer == 0 && lane % 4 == 0) part_lse[partial] = lse2;
         }
     }

@@ -16,7 +16,7 @@ where `hopper_unsupported` finds nothing against it.
 from __future__ import annotations
 
 import math
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
@@ -51,12 +51,12 @@ def shared_bytes(defines: dict[str, int]) -> int:
     return 2 * (1 + p["STAGES"]) * BLOCK_N * HEAD_DIM + 16 * BLOCK_M + 8 * (1 + 2 * p["STAGES"]) + 1024
 
 
-def hopper_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> str | None:
-    """Why the CUDA kernel cannot take these (already checked) inputs, or None: the device, the
-    dtype, the head dims, the page size, a cache whose pages are not packed rows (TMA reads it as
-    one (pages x page_size, 576) matrix), a pool past 32-bit row coordinates."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return "needs a Hopper GPU (sm_90: wgmma and TMA)"
+def hopper_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int, scale: float) -> str | None:
+    """Why the CUDA kernel cannot take these (already checked) inputs, or None: the dtype, the head
+    dims, the page size, a cache whose pages are not packed rows (TMA reads it as one (pages x
+    page_size, 576) matrix), q's start off 16 bytes, a pool past 32-bit row coordinates, a scale
+    not above 0 (the kernel takes each row's max before scaling), the device (checked last, so each
+    other reason reads the same on a CPU)."""
     if q.dtype not in DTYPES:
         return f"takes bfloat16 or float16, not {q.dtype}"
     if q.shape[3] != HEAD_DIM or head_dim_v != HEAD_DIM_V:
@@ -67,8 +67,14 @@ def hopper_unsupported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int)
     row = kv_cache.stride(1) * kv_cache.element_size()
     if kv_cache.stride(0) != page_size * kv_cache.stride(1) or row % 16 or kv_cache.data_ptr() % 16:
         return f"needs pages of packed, 16-byte aligned rows (strides {kv_cache.stride()})"
+    if q.is_contiguous() and q.data_ptr() % 16:  # (a strided q is copied into a new, aligned one)
+        return "needs q to start on 16 bytes (TMA)"
     if pages * page_size >= 2**31 or q.shape[0] * q.shape[1] * q.shape[2] >= 2**31:
         return "pool or query rows past 32-bit coordinates"
+    if not scale > 0:
+        return f"takes a softmax scale above 0, not {scale}"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "needs a Hopper GPU (sm_90: wgmma and TMA)"
     return None
 
 
@@ -99,13 +105,13 @@ def _kernel(defines: tuple):
     return CudaKernel.from_file(SOURCE, KERNEL, defines=dict(defines), options=OPTIONS)
 
 
-@cache
+@lru_cache(maxsize=64)  # (grids differ by batch: bounded, not one a batch size forever)
 def _launch(defines: tuple, grid: tuple[int, int], index: int):
     kinds = ("map", "map") + ("ptr",) * 7 + ("i32",) * 6 + ("f32",)
     return _kernel(defines).lean(grid, THREADS, index, kinds=kinds, shared_bytes=shared_bytes(dict(defines)))
 
 
-@cache
+@lru_cache(maxsize=32)
 def _maps(dtype: torch.dtype, rows: int, row_stride_bytes: int, l2_bytes: int):
     from kforge.runtime.driver import TensorMaps
 
@@ -120,7 +126,7 @@ def mla_decode_hopper(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     """(out (batch, s_q, h_q, 512), lse (batch, h_q, s_q) fp32), as `decode.mla_decode`.
     `split_size` (a multiple of 64) fixes the splits on the host instead of the device schedule."""
     scale = check_mla_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale)
-    reason = hopper_unsupported(q, kv_cache, head_dim_v)
+    reason = hopper_unsupported(q, kv_cache, head_dim_v, scale)
     if reason:
         raise ValueError(f"mla_decode_hopper {reason} (decode.mla_decode's Triton kernels take the rest)")
     if validate:
@@ -162,15 +168,14 @@ def mla_decode_hopper(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
             part_lse = _empty((batch, rows, num_splits), torch.float32, q.device)
         else:
             part_out = part_lse = lse  # not written with one split
-    table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     element = q.element_size()
     q_map = _maps(q.dtype, batch * rows, HEAD_DIM * element, 0).address_of(q.data_ptr())
     cache_map = _maps(q.dtype, pages * page_size, kv_cache.stride(1) * element, 256).address_of(kv_cache.data_ptr())
     defines = tuple(sorted(kernel_defines(causal, q.dtype, page_size, bool(chunks)).items()))
     _launch(defines, (batch * m_blocks, num_splits), index)(
-        torch.cuda.current_stream(q.device).cuda_stream, q_map, cache_map, table.data_ptr(),
+        torch.cuda.current_stream(q.device).cuda_stream, q_map, cache_map, block_table.data_ptr(),
         cache_seqlens.data_ptr(), out.data_ptr(), lse.data_ptr(), part_out.data_ptr(), part_lse.data_ptr(),
-        schedule.data_ptr(), table.stride(0), h_q, s_q, max_pages, num_splits, split_size, scale * LOG2E)
+        schedule.data_ptr(), block_table.stride(0), h_q, s_q, max_pages, num_splits, split_size, scale * LOG2E)
     if chunks or num_splits > 1:
         mla_decode_combine_kernel[(batch * rows,)](
             part_out, part_lse, cache_seqlens, out, lse, h_q, s_q, max_tokens, num_splits, split_size, schedule,
