@@ -87,27 +87,23 @@ static_assert((PRODUCER_REGISTERS + 2 * CONSUMER_REGISTERS) * 128 <= 65536, "the
 
 #define WGMMA_D16_REGS "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define WGMMA_D16_OPERANDS(d) WGMMA_D8(d, 0), WGMMA_D8(d, 8)
-// S (64 x 32, fp32) (+)= Q (64 x 16, smem, K-major) K^T (32 tokens x 16, smem, K-major).
-#define MLA_WGMMA_S(TYPE)                                                                         \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                   \
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {" WGMMA_D16_REGS \
-                 "}, %16, %17, p, 1, 1, 0, 0;\n}\n"                                              \
-                 : WGMMA_D16_OPERANDS(d)                                                         \
+// One wgmma from shared memory, both operands: D (64 x N, fp32) (+)= A (64 x 16) B (16 x N); the operand
+// numbers follow D's registers (N / 2 of them), TRANS_B 1 reads B N-major.
+#define MLA_WGMMA(TYPE, N, REGS, OPERANDS, A, B, SCALE, TRANS_B)                                  \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SCALE ", 0;\n"                            \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" REGS "}, %" #A \
+                 ", %" #B ", p, 1, 1, 0, " #TRANS_B ";\n}\n"                                          \
+                 : OPERANDS(d)                                                                   \
                  : "l"(a_desc), "l"(b_desc), "r"(accumulate))
+// S (64 x 32) (+)= Q (64 x 16, K-major) K^T (32 tokens x 16, K-major).
 __device__ __forceinline__ void wgmma_scores(float (&d)[16], u64 a_desc, u64 b_desc, int accumulate) {
-    if constexpr (FP16) MLA_WGMMA_S("f16");
-    else MLA_WGMMA_S("bf16");
+    if constexpr (FP16) MLA_WGMMA("f16", 32, WGMMA_D16_REGS, WGMMA_D16_OPERANDS, 16, 17, 18, 0);
+    else MLA_WGMMA("bf16", 32, WGMMA_D16_REGS, WGMMA_D16_OPERANDS, 16, 17, 18, 0);
 }
-// O (64 x 256, fp32) += P (64 x 16 tokens, smem, K-major) V (16 tokens x 256, smem, N-major: transposed).
-#define MLA_WGMMA_PV(TYPE)                                                                         \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                   \
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " {" WGMMA_D128_REGS \
-                 "}, %128, %129, p, 1, 1, 0, 1;\n}\n"                                             \
-                 : WGMMA_D128_OPERANDS(d)                                                         \
-                 : "l"(a_desc), "l"(b_desc), "r"(accumulate))
+// O (64 x 256) += P (64 x 16 tokens, K-major) V (16 tokens x 256, N-major: transposed).
 __device__ __forceinline__ void wgmma_values(float (&d)[128], u64 a_desc, u64 b_desc, int accumulate) {
-    if constexpr (FP16) MLA_WGMMA_PV("f16");
-    else MLA_WGMMA_PV("bf16");
+    if constexpr (FP16) MLA_WGMMA("f16", 256, WGMMA_D128_REGS, WGMMA_D128_OPERANDS, 128, 129, 130, 1);
+    else MLA_WGMMA("bf16", 256, WGMMA_D128_REGS, WGMMA_D128_OPERANDS, 128, 129, 130, 1);
 }
 
 template <int N> struct Index { static constexpr int value = N; };  // a compile-time int as a type
