@@ -515,12 +515,16 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         from kforge.kernels.mla import decode_hopper
 
         scale = check_mla_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale)
-        if backend == "cuda" or decode_hopper.hopper_unsupported(q, kv_cache, head_dim_v, scale) is None:
+        if backend == "cuda":
             return decode_hopper.mla_decode_hopper(q, kv_cache, block_table, cache_seqlens, head_dim_v,
                                                    softmax_scale=softmax_scale, causal=causal, validate=validate)
+        if decode_hopper.hopper_unsupported(q, kv_cache, head_dim_v, scale) is None:
+            return decode_hopper.run_checked(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale, causal,
+                                             validate, None)
     elif backend == "cuda":
         raise ValueError("config tunes the Triton kernels: backend 'cuda' takes none")
-    scale = check_mla_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale)
+    else:
+        scale = check_mla_inputs(q, kv_cache, block_table, cache_seqlens, head_dim_v, softmax_scale)
     if validate:
         check_mla_table_values(block_table, cache_seqlens, kv_cache.shape[0], kv_cache.shape[1])
     cache_args = (kv_cache, kv_cache.stride(0), kv_cache.stride(1))

@@ -129,6 +129,14 @@ def mla_decode_hopper(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
     reason = hopper_unsupported(q, kv_cache, head_dim_v, scale)
     if reason:
         raise ValueError(f"mla_decode_hopper {reason} (decode.mla_decode's Triton kernels take the rest)")
+    return run_checked(q, kv_cache, block_table, cache_seqlens, head_dim_v, scale, causal, validate, split_size)
+
+
+def run_checked(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                head_dim_v: int, scale: float, causal: bool, validate: bool,
+                split_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_decode_hopper` on inputs `check_mla_inputs` and `hopper_unsupported` have passed (its
+    softmax scale resolved): what `decode.mla_decode` calls after its own checks, not repeating them."""
     if validate:
         check_mla_table_values(block_table, cache_seqlens, kv_cache.shape[0], kv_cache.shape[1])
     batch, s_q, h_q, _ = q.shape
