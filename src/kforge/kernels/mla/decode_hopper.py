@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from kforge.kernels.mla.decode import (LOG2E, MAX_SCHEDULE_CHUNKS, MAX_SCHEDULED_BATCH, MIN_SPLIT_TOKENS,
-                                       SCHEDULE_SLACK, SPLIT_TOLERANCE, _empty, _wave_split, check_mla_inputs,
-                                       check_mla_table_values, mla_decode_combine_kernel, mla_decode_schedule_kernel)
+from kforge.kernels.mla.decode import (LOG2E, MAX_COMBINE_BLOCK, MAX_SCHEDULE_CHUNKS, MAX_SCHEDULED_BATCH,
+                                       MIN_SPLIT_TOKENS, SCHEDULE_SLACK, SPLIT_TOLERANCE, _empty, _wave_split,
+                                       check_mla_inputs, check_mla_table_values, mla_decode_combine_kernel,
+                                       mla_decode_schedule_kernel)
 
 SOURCE = Path(__file__).with_name("decode_hopper.cu")
 KERNEL = "mla_decode_hopper"
@@ -33,7 +34,6 @@ BLOCK_M = BLOCK_N = 64
 THREADS = 384  # a producer warpgroup and two consumers
 PAGE_SIZES = (64, 128, 256)
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # -> FP16
-MAX_COMBINE_BLOCK = 16
 
 
 def kernel_defines(causal: bool, dtype: torch.dtype, page_size: int, scheduled: bool = False) -> dict[str, int]:
