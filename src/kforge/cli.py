@@ -1200,13 +1200,15 @@ def serve_command(
     """Serve the model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, streaming) until Ctrl-C."""
     import time
 
+    from kforge.models.chat import load_chat_template
     from kforge.models.engine import Engine
     from kforge.models.server import Server
 
     llm, tokenizer, device = _load_llama(model, weights=weights.value, quantize_head=quantize_head)
+    template = load_chat_template(Path(model)) if tokenizer is not None else None
     engine = Engine(llm, tokenizer=tokenizer, max_slots=max_slots,
                     max_context=min(max_context, llm.config.max_position))
-    server = Server(engine, model_id=model, host=host, port=port)
+    server = Server(engine, model_id=model, host=host, port=port, chat_template=template)
     try:
         server.start()
     except OSError as exc:
@@ -1215,6 +1217,9 @@ def serve_command(
     print(f"serving {model}{formats} on {device} at {server.url} (Ctrl-C stops)", flush=True)
     if tokenizer is None:
         err.print("note: no tokenizer: prompts must be token ids, and chat is refused", style="dim")
+    elif template is None:
+        err.print("note: the checkpoint has no chat template: chat prompts are plain 'role: content' lines",
+                  style="dim")
     try:
         while True:
             time.sleep(3600)

@@ -21,7 +21,8 @@ import torch
 from kforge.models.engine import Engine
 from kforge.models.llama import from_pretrained
 from kforge.models.sampling import SamplingParams
-from kforge.models.server import Server, TextStream, chat_prompt
+from kforge.models.chat import load_chat_template, messages_of, plain_transcript
+from kforge.models.server import Server, TextStream
 
 openai = pytest.importorskip("openai")
 
@@ -117,13 +118,14 @@ def test_streaming_gives_the_same_text_a_token_a_chunk(client):
 
 def test_chat_is_a_completion_of_the_plain_transcript(client, alone):
     messages = [{"role": "system", "content": "w4 w5"}, {"role": "user", "content": "w6 w7 w8"}]
-    assert chat_prompt(messages) == "system: w4 w5\nuser: w6 w7 w8\nassistant:"
-    want = alone(chat_prompt(messages), 6)
+    transcript = plain_transcript(messages_of(messages))
+    assert transcript == "system: w4 w5\nuser: w6 w7 w8\nassistant:"
+    want = alone(transcript, 6)
     reply = client.chat.completions.create(model="tiny-test", messages=messages, max_tokens=6, temperature=0)
     choice = reply.choices[0]
     assert choice.token_ids == want and choice.message.role == "assistant"
     assert choice.message.content == text_of(want, choice.finish_reason)
-    assert reply.usage.prompt_tokens == len(alone.tokenizer.encode(chat_prompt(messages)).ids)
+    assert reply.usage.prompt_tokens == len(alone.tokenizer.encode(transcript).ids)
 
     chunks = list(client.chat.completions.create(model="tiny-test", messages=messages, max_tokens=6, temperature=0,
                                                  stream=True))
@@ -196,6 +198,57 @@ def test_a_client_that_hangs_up_mid_stream_has_its_request_aborted(server, monke
     (request,) = submitted
     assert request.finish_reason == "abort" and len(request.output) < 60  # not run on to max_tokens
     assert request.slot is None and request not in server.engine.scheduler.running
+
+
+# A Llama-3-shaped template over the test's words: w250 begins the text (bos_token), w251/w252 open and close a
+# message header, w253 ends a turn; only user and assistant may speak, in turn.
+TEMPLATE = (
+    "{{ bos_token }} {% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "w251 {{ 'w1' if message['role'] == 'user' else 'w2' }} w252 {{ message['content'] | trim }} w253 "
+    "{% endfor %}{% if add_generation_prompt %}w251 w2 w252 {% endif %}")
+
+
+@pytest.fixture(scope="module")
+def templated(folder, tmp_path_factory):
+    """The tiny checkpoint with the template in tokenizer_config.json and a tokenizer whose own encode adds
+    w250 in front (as Llama-3's adds <|begin_of_text|>), served."""
+    from tokenizers import Tokenizer, processors
+
+    templated = tmp_path_factory.mktemp("tiny-with-template")
+    shutil.copytree(folder, templated, dirs_exist_ok=True)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(single="w250 $A", special_tokens=[("w250", 250)])
+    tokenizer.save(str(templated / "tokenizer.json"))
+    (templated / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": TEMPLATE, "bos_token": {"content": "w250"}, "eos_token": "w253"}))
+    server = Server(engine_on(templated, max_slots=2), model_id="tiny-chat", port=0,
+                    chat_template=load_chat_template(templated))
+    server.start()
+    with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=30) as client:
+        yield client, engine_on(templated, max_slots=1)
+    server.stop()
+
+
+def test_chat_renders_the_checkpoints_template_with_one_bos(templated):
+    client, alone = templated
+    messages = [{"role": "user", "content": " w6 w7 "}, {"role": "assistant", "content": "w8"},
+                {"role": "user", "content": "w9"}]
+    want_ids = [250, 251, 1, 252, 6, 7, 253, 251, 2, 252, 8, 253, 251, 1, 252, 9, 253, 251, 2, 252]
+    want = alone.generate([want_ids], SamplingParams(max_tokens=5))[0]
+    reply = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=5, temperature=0)
+    assert reply.usage.prompt_tokens == len(want_ids)  # the template's w250 alone, not the tokenizer's too
+    assert reply.choices[0].token_ids == want
+
+
+def test_a_template_that_refuses_the_messages_is_a_400_with_its_reason(templated):
+    client, _ = templated
+    with pytest.raises(openai.BadRequestError, match="roles must alternate user/assistant"):
+        client.chat.completions.create(model="tiny-chat", messages=[{"role": "assistant", "content": "w1"}])
+    reply = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "w1"}],
+                                           max_tokens=2, temperature=0)
+    assert reply.usage.prompt_tokens == 9  # and the server goes on serving
 
 
 def test_without_a_tokenizer_text_is_refused_and_the_server_stops_cleanly(checkpoint):

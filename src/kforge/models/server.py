@@ -19,8 +19,11 @@ and `token_ids` in every choice (the generated ids: a model without a tokenizer 
 than silently ignored: n > 1, best_of, logprobs, echo, suffix, stop strings, tools and functions, logit_bias,
 presence and frequency penalties, response formats other than text.
 
-Chat: tokenizer.json (the `tokenizers` library) carries no chat template, so the messages become plain
-"role: content" lines and a last "assistant:" line; an instruct model answers less well than in its own template.
+Chat: the checkpoint's own chat template where it has one (`Server(..., chat_template=...)`, models/chat.py: a
+Jinja template from tokenizer_config.json or chat_template.jinja, rendered as Hugging Face renders it, its text
+encoded without the tokenizer's special tokens, which the template writes); without one, plain "role: content"
+lines and a last "assistant:" line, which an instruct model answers less well. A template's raise_exception
+(e.g. roles out of order) is a 400 with its message.
 A finish_reason "stop" means a stop token: it counts in completion_tokens and token_ids, but is left out of the text,
 as OpenAI leaves out the stop sequence. The KV cache is reserved for prompt + max_tokens when a request starts
 (scheduler.py), so a chat's default max_tokens, the rest of the context, takes a slot's whole share.
@@ -39,6 +42,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from kforge.errors import ModelError
+from kforge.models.chat import ChatTemplate, encode_rendered, messages_of, plain_transcript
 from kforge.models.engine import Engine
 from kforge.models.sampling import SamplingParams
 from kforge.models.scheduler import Request
@@ -98,8 +102,10 @@ class _Call:
 class Server:
     """The engine thread and the HTTP server of one model; `start()` binds and returns the port."""
 
-    def __init__(self, engine: Engine, model_id: str, *, host: str = "127.0.0.1", port: int = 8000):
+    def __init__(self, engine: Engine, model_id: str, *, host: str = "127.0.0.1", port: int = 8000,
+                 chat_template: ChatTemplate | None = None):
         self.engine, self.model_id, self.host, self.port = engine, model_id, host, port
+        self.chat_template = chat_template
         self.tokenizer = engine.tokenizer  # read by the handlers; tokenizers' encode and decode are thread-safe
         self.max_context = engine.scheduler.max_context
         self.created = int(time.time())
@@ -216,7 +222,14 @@ class Server:
             if self.tokenizer is None:
                 raise ApiError("chat needs a tokenizer (a checkpoint with tokenizer.json); this model has none: use "
                                "/v1/completions with token ids")
-            prompt = self.encode(chat_prompt(body.get("messages")))
+            try:
+                messages = messages_of(body.get("messages"))
+                if self.chat_template is None:
+                    prompt = self.encode(plain_transcript(messages))
+                else:
+                    prompt = encode_rendered(self.tokenizer, self.chat_template.render(messages))
+            except ValueError as exc:  # bad messages, or the template refused them
+                raise ApiError(str(exc)) from None
             max_tokens = _option(body, "max_completion_tokens", int, None, "an integer")
             if max_tokens is None:  # the rest of the context; a prompt that fills it is refused by the engine
                 max_tokens = _option(body, "max_tokens", int, max(1, self.max_context - len(prompt)), "an integer")
@@ -256,26 +269,6 @@ class Server:
 
     def text(self, tokens: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(tokens)
-
-
-def chat_prompt(messages: object) -> str:
-    """The messages as "role: content" lines, then "assistant:" for the model to continue (no chat template)."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(f"'messages' must be a non-empty array of messages, got {json.dumps(messages)}")
-    lines = []
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(f"each message must be an object with a 'role', got {json.dumps(message)}")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: only text ones can be read here
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError("only text content parts are supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ApiError(f"a message's 'content' must be a string or text parts, got {json.dumps(content)}")
-        lines.append(f"{message['role']}: {content}")
-    return "\n".join([*lines, "assistant:"])
 
 
 class TextStream:
