@@ -145,6 +145,40 @@ def test_topk_of_prefill_scores_against_torch_topk_of_float64():
         torch.testing.assert_close(expected[i, chosen].sort(descending=True).values, best, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("causal, q_offset", [(True, None), (True, 2), (False, None)],
+                         ids=["prompt-after-cache", "short-prefix", "not-causal"])
+def test_topk_in_chunks_equals_the_topk_of_the_whole_matrix(causal, q_offset, mended):
+    """select_topk_prefill with a budget of 3 rows of scores: the same lists as select_topk over the
+    whole score matrix, -1 padding included (after a 2-token prefix the first tokens see fewer than k)."""
+    s_q, s_kv, topk = 10, 37, 6
+    q_idx, weights, k, k_scale = _index_inputs(s_q, s_kv, torch.float32, seed=21)
+    whole = select_topk(index_scores_prefill(q_idx, weights, k, k_scale, causal=causal, q_offset=q_offset), topk)
+    chunked = prefill_module.select_topk_prefill(q_idx, weights, k, k_scale, topk, causal=causal, q_offset=q_offset,
+                                                 budget_bytes=3 * 4 * s_kv)
+    assert chunked.dtype == torch.int32 and torch.equal(chunked, whole)
+    if q_offset == 2:  # the first tokens see 3, 4, 5 keys: the lists are padded
+        assert (whole[:3] == -1).any() and not (whole[3:] == -1).any()
+
+
+def test_topk_in_chunks_scores_only_what_each_chunk_sees(monkeypatch):
+    """Each chunk asks the indexer for at most the budget's rows, and under the causal rule only for the
+    keys its last token sees, at that token's offset: the whole s_q x s_kv matrix is never made."""
+    s_q, s_kv, offset = 10, 40, 25
+    q_idx, weights, k, k_scale = _index_inputs(s_q, s_kv, torch.float32, seed=3)
+    calls = []
+
+    def recording(q, w, keys, scales, *, causal, q_offset, config):
+        calls.append((q.shape[0], keys.shape[0], q_offset))
+        return index_scores_prefill_reference(q, w, keys, scales, causal=causal, q_offset=q_offset).float()
+
+    monkeypatch.setattr(prefill_module, "index_scores_prefill", recording)
+    picked = prefill_module.select_topk_prefill(q_idx, weights, k, k_scale, 4, q_offset=offset,
+                                                budget_bytes=4 * 4 * s_kv)
+    assert calls == [(4, offset + 4, offset), (4, offset + 8, offset + 4), (2, offset + 10, offset + 8)]
+    expected = select_topk(index_scores_prefill_reference(q_idx, weights, k, k_scale, q_offset=offset).float(), 4)
+    assert torch.equal(picked, expected)
+
+
 def test_indexer_plan():
     plan = plan_prefill_indexer(32768, 32768)
     assert (plan.block_q, plan.block_n, plan.num_splits) == (4, 64, 1)  # 8192 query tiles: no key splits

@@ -30,7 +30,8 @@ of 128, k = 2048):
   rule: 8192 s^2 FP8 FLOPs (8.8 TFLOP at 32k). It writes the whole s_q x s_kv fp32 score matrix
   (4.3 GB at 32k, the -inf half included: `select_topk` reads full rows): 0.9 ms at 4.8 TB/s
   (H200), a fifth of the 4.5 ms its FLOPs take at the FP8 peak (1979 TFLOP/s); an indexer that
-  kept each row's top k as it went would not write it.
+  kept each row's top k as it went would not write it. `select_topk_prefill` bounds the matrix's
+  memory instead (chunks of query tokens, 1 GiB of scores at a time; 69 GB whole at 128k).
 - the attention: 2 x (576 + 512) FLOPs per (head, selected token), a constant 570 MFLOP a query
   token once k tokens are visible (18.7 TFLOP at 32k), on 1152 bytes a gathered row, gathered
   once per block of 64 heads; the whole latent of a 32k prompt (38 MB) fits in the H100's 50 MB
@@ -73,7 +74,7 @@ import triton
 import triton.language as tl
 
 from kforge.kernels.mla.decode import DTYPES, H100_SMS, PROGRAMS_PER_SM, _empty
-from kforge.kernels.mla.sparse import INDEX_DTYPES, launch_sparse_mla
+from kforge.kernels.mla.sparse import INDEX_DTYPES, launch_sparse_mla, select_topk
 
 
 @triton.jit
@@ -226,6 +227,32 @@ def index_scores_prefill(q_idx: torch.Tensor, weights: torch.Tensor, k: torch.Te
         BLOCK_N=plan.block_n, CAUSAL=bool(causal), DOT_PRECISION="ieee" if q_idx.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     return scores
+
+
+SCORE_BUDGET_BYTES = 1 << 30  # the fp32 scores `select_topk_prefill` holds at once
+
+
+def select_topk_prefill(q_idx: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                        topk: int, *, causal: bool = True, q_offset: int | None = None,
+                        budget_bytes: int = SCORE_BUDGET_BYTES, config: dict | None = None) -> torch.Tensor:
+    """Each prompt token's top `topk` keys (s_q, topk) int32, -1 where fewer are visible: what
+    `sparse.select_topk(index_scores_prefill(...), topk)` gives, in chunks of query tokens whose
+    scores fit `budget_bytes`, so a long prompt never holds its whole s_q x s_kv score matrix
+    (64 GB at 128k). Under `causal` a chunk scores only the keys its last token sees (its rows'
+    -inf tail is never written or read). Each row's scores are the same numbers either way."""
+    offset = check_prefill_indexer_inputs(q_idx, weights, k, k_scale, causal, q_offset)
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    s_q, s_kv = q_idx.shape[0], k.shape[0]
+    rows = max(1, budget_bytes // (4 * max(1, s_kv)))
+    indices = torch.empty((s_q, topk), dtype=torch.int32, device=q_idx.device)
+    for first in range(0, s_q, rows):
+        last = min(s_q, first + rows)
+        keys = offset + last if causal else s_kv  # the chunk's last token sees keys below offset + last
+        scores = index_scores_prefill(q_idx[first:last], weights[first:last], k[:keys], k_scale[:keys],
+                                      causal=causal, q_offset=offset + first if causal else None, config=config)
+        indices[first:last] = select_topk(scores, topk)
+    return indices
 
 
 def index_scores_prefill_reference(q_idx, weights, k, k_scale, *, causal: bool = True,
