@@ -548,7 +548,7 @@ def test_bench_lists_flashmlas_shapes_and_names_records_back():
 @pytest.mark.parametrize("ragged", [0, 1])
 def test_bench_problem_judges_the_kernel_against_the_composition_at_the_tiny_size(ragged, cpu, cpu_ceilings,
                                                                                   mended):
-    from kforge.bench.mla import KERNEL, PROBLEM, OursMla
+    from kforge.bench.mla import KERNELS, PROBLEM, OursMla
     from kforge.harness.evaluate import evaluate
     from kforge.harness.problem import load_problem
     from kforge.harness.timing import TimingConfig
@@ -565,7 +565,7 @@ def test_bench_problem_judges_the_kernel_against_the_composition_at_the_tiny_siz
     assert problem.module.flops(inputs) == mla_decode_flops(seqlens.tolist(), 2, 4, causal=True)
     assert problem.module.bytes_moved(inputs) == mla_decode_min_bytes(seqlens.tolist(), 2, 4, torch.bfloat16)
 
-    candidate = source_candidate("ours", OursMla, [KERNEL])
+    candidate = source_candidate("ours", OursMla, KERNELS)
     quick = TimingConfig(warmup_s=0.0, min_warmup_calls=1, min_reps=1, min_time_s=0.0, budget_s=0.05)
     record = evaluate(problem, candidate, device=cpu, ceilings=cpu_ceilings, timing=quick)
     assert record.gate1 and record.gate1["passed"], record.reason

@@ -1,4 +1,5 @@
-"""MLA decode benchmark: kforge's Triton split-KV kernel against a PyTorch
+"""MLA decode benchmark: `mla_decode`'s default (on an sm_90 GPU the CUDA kernel, decode_hopper.cu;
+elsewhere the Triton split-KV kernels) against a PyTorch
 composition (gather the paged latent cache, SDPA over it with the heads folded into the query
 axis), at FlashMLA's shapes: B = 128, S_K in {4096, 8192, 16384}, H_Q in {16, 32, 64, 128},
 S_Q in {1, 2}, causal.
@@ -9,8 +10,8 @@ interleaved timing; the record's roofline holds the FLOPs and the minimum bytes,
 GB/s and the % of the measured roof (copy bandwidth for the memory-bound shapes, the bf16
 matmul rate for the compute-bound ones) come from it. `mla_jobs(mla_shapes())` is what a
 `kforge bench mla` command runs; `mla_label` names a record's shape for `bench_rows`. Measured
-on five shapes (H100): 2.2-4.7x the compositions, 59-63% of copy at 16 heads, 167 TFLOP/s at 128
-rows (docs/deepseek.md).
+on all 26 shapes (H200, the CUDA kernel): 2-9x the compositions, 77-91% of copy where
+memory-bound, 435-513 TFLOP/s where compute-bound (docs/deepseek.md).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pathlib import Path
 from kforge.bench import BenchJob, size_constants
 
 PROBLEM = Path(__file__).parent.parent / "problems" / "deepseek" / "mla_decode_bf16.py"
-KERNEL = Path(__file__).parent.parent / "kernels" / "mla" / "decode.py"
+KERNELS = [Path(__file__).parent.parent / "kernels" / "mla" / name
+           for name in ("decode.py", "decode_hopper.py", "decode_hopper.cu")]  # what "ours" runs
 BASELINES = ("eager", "compile")
 BASELINE = "eager"  # the column `bench_rows` and `bench_view` compare against
 BATCH = 128
@@ -55,7 +57,7 @@ def mla_shapes() -> list[MlaShape]:
 
 
 class OursMla:
-    """The kernel's launcher (not the op: no dispatch, no device read), the problem's scale, causal."""
+    """mla_decode (not the op: no custom-op dispatch, no device read), the problem's scale, causal."""
 
     def __call__(self, q, kv_cache, block_table, cache_seqlens):
         from kforge.kernels.mla.decode import mla_decode
@@ -72,7 +74,7 @@ def mla_jobs(shapes: Sequence[MlaShape]) -> Iterator[BenchJob]:
 
     for shape in shapes:
         problem = load_problem(PROBLEM, "full", shape.sizes)
-        candidate = source_candidate("ours", OursMla, [KERNEL, Path(__file__)], shape.sizes)
+        candidate = source_candidate("ours", OursMla, [*KERNELS, Path(__file__)], shape.sizes)
         for baseline in BASELINES:
             yield BenchJob(f"{shape.label} vs {baseline}", problem, candidate, baseline)
 
