@@ -16,8 +16,9 @@
 // 1 and 2 are consumers (240 registers) and split each tile's work in halves with no duplicated product:
 //   S_c = Q K^T over tokens 32c..32c+31 (64 x 32, 36 k16 steps over the 576 values);
 //   the row max of both halves, exchanged through shared memory (a 256-thread named barrier), so both
-//   use one running max and their P halves are on one scale; P_c rounded to 16 bits into a shared P
-//   tile (64 x 64, swizzled as wgmma reads it) by stmatrix; a second barrier: P is whole;
+//   use one running max and their P halves are on one scale; P_c rounded to 16 bits by stmatrix into
+//   the stage's RoPE chunk (K's values 512-575, which only S reads: free once both have passed the
+//   first barrier; 64 x 64, swizzled as wgmma reads it); a second barrier: P is whole;
 //   O_c (64 x 256, fp32 registers) = O_c alpha + P V[:, 256c..256c+255] (4 k16 steps, V read N-major
 //   from the same cache tile: no second read).
 // Each consumer keeps its own share of the row sums (same max, same rescales); they are added once at
@@ -27,8 +28,8 @@
 //
 // The consumer's index and the stage are compile-time constants in each copy of the tile loop (one
 // a consumer, unrolled by the two stages), so the wgmma descriptors are constant offsets; the output
-// rescale is skipped where no row of the warp has a new max. Together 2-3% (823 -> ~620 instructions a
-// tile; scripts/mla_hopper_stages.py says where the rest goes).
+// rescale is skipped where no row of the warp has a new max. Together 1-3% on not-causal shapes in one
+// run (823 -> ~620 instructions a tile; scripts/mla_hopper_stages.py says where the rest goes).
 // Why one tile at a time: S_{k+1} issued before P_k V_k (the softmax under the P V) holds both stages
 // through the softmax, so tile k + 2's load starts only as it is due: 1.3-1.45x slower on the H200.
 // Measured (H200, 2026-11-29, kforge bench mla, docs/deepseek.md): 77-91% of copy where memory-bound,
