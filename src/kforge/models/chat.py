@@ -73,15 +73,10 @@ def _raise_exception(message: str):
 def load_chat_template(directory: Path) -> ChatTemplate | None:
     """The chat template of a Hugging Face checkpoint directory, or None where it names none
     (ModelError for an unreadable tokenizer_config.json or a template that does not compile)."""
+    from kforge.models.llama.checkpoint import read_json_object
+
     config_path = directory / "tokenizer_config.json"
-    config = {}
-    if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelError(f"{config_path} is not valid JSON: {exc}") from None
-        if not isinstance(config, dict):
-            raise ModelError(f"{config_path} does not hold a JSON object")
+    config = read_json_object(config_path) if config_path.is_file() else {}
     jinja_path = directory / "chat_template.jinja"
     if jinja_path.is_file():
         source, origin = jinja_path.read_text(), str(jinja_path)

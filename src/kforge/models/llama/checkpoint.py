@@ -89,13 +89,18 @@ def read_config_json(directory: Path) -> dict:
     path = directory / "config.json"
     if not path.is_file():
         raise ModelError(f"{directory} has no config.json: not a Hugging Face checkpoint")
+    return read_json_object(path)
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding an object, as a dict (ModelError, one line, for anything else)."""
     try:
-        hf = json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(hf, dict):
+    if not isinstance(value, dict):
         raise ModelError(f"{path} does not hold a JSON object")
-    return hf
+    return value
 
 
 def load_tokenizer(path: Path):
