@@ -67,7 +67,7 @@ def main():
               f"and its {default.num_splits} splits, as the device schedule picks them for full requests")
         want, _ = mla_decode(q, cache, table, lens, validate=False, backend="triton")
         fns = checked_variants(variants(batch, s_k, h_q * s_q, sms), lambda c: mla_decode(
-            q, cache, table, lens, validate=False, config=c)[0], want)
+            q, cache, table, lens, validate=False, config=c, backend="triton")[0], want)
         times = median_ms(fns, 20)
         for name, ms in sorted(times.items(), key=lambda item: item[1]):
             print(f"  {name:<60} {ms * 1e3:8.1f} us {nbytes / ms / 1e6:7.0f} GB/s {flops / ms / 1e9:6.1f} TFLOP/s")
