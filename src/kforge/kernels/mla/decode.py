@@ -407,18 +407,42 @@ def plan_mla_decode(batch: int, rows: int, max_tokens: int, num_sms: int = H100_
 def schedule_chunks(plan: MlaPlan, batch: int, rows: int, max_tokens: int, num_sms: int, element_size: int) -> int:
     """The most splits a request may get when the device schedules the splits from the lengths
     (`mla_decode_schedule_kernel`, which tries each count up to it), or 0 for the host's plan
-    alone: batches past MAX_SCHEDULED_BATCH (the schedule reads all lengths in one block), host
-    plans past MAX_SCHEDULE_CHUNKS splits (a few long requests: the schedule's loop would cost
-    more than balancing saves), or one split at most. At least the host plan's count (what
-    full-length requests want), and up to SCHEDULE_SLACK x the resident slots' worth of items
-    for shorter ones, capped at MAX_SCHEDULE_CHUNKS; the partials' buffer holds batch x it."""
-    if batch > MAX_SCHEDULED_BATCH or plan.num_splits > MAX_SCHEDULE_CHUNKS:
-        return 0
+    alone (`chunks_for`), with this plan's resident programs an SM."""
     slots = num_sms * resident_per_sm(plan.block_m, plan.block_n, plan.num_stages, plan.num_warps, element_size)
+    return chunks_for(plan.num_splits, batch * math.ceil(rows / plan.block_m), slots, batch, max_tokens)
+
+
+def chunks_for(host_splits: int, programs: int, slots: int, batch: int, max_tokens: int) -> int:
+    """The schedule's most items a request, for `programs` programs a split on `slots` resident
+    ones, or 0: batches past MAX_SCHEDULED_BATCH (the schedule reads all lengths in one block),
+    host plans past MAX_SCHEDULE_CHUNKS splits (a few long requests: the schedule's loop would
+    cost more than balancing saves), or one split at most. At least the host plan's count (what
+    full-length requests want), and up to SCHEDULE_SLACK x the slots' worth of items for shorter
+    ones, capped at MAX_SCHEDULE_CHUNKS; the partials' buffer holds batch x it."""
+    if batch > MAX_SCHEDULED_BATCH or host_splits > MAX_SCHEDULE_CHUNKS:
+        return 0
     most = max(1, math.ceil(max_tokens / MIN_SPLIT_TOKENS))
-    wanted = math.ceil(SCHEDULE_SLACK * slots / (batch * math.ceil(rows / plan.block_m)))
-    chunks = min(most, max(plan.num_splits, min(wanted, MAX_SCHEDULE_CHUNKS)))
+    wanted = math.ceil(SCHEDULE_SLACK * slots / programs)
+    chunks = min(most, max(host_splits, min(wanted, MAX_SCHEDULE_CHUNKS)))
     return chunks if chunks > 1 else 0
+
+
+def schedule_block(batch: int) -> int:
+    """The lengths the schedule reads in one block: at least 128 (smaller blocks made ptxas emit up to
+    hundreds of spill instructions in kernel 1's scheduled 64-row build, which reads the same block;
+    2 at 128 and up, tests/kernels/test_mla_decode.py compiles 128 and 4096)."""
+    return max(128, triton.next_power_of_2(batch))
+
+
+def launch_schedule(cache_seqlens: torch.Tensor, max_tokens: int, m_blocks: int, slots: int, chunks: int,
+                    block_n: int) -> torch.Tensor:
+    """`mla_decode_schedule_kernel` on the lengths: the (batch + 3,) int32 schedule it writes."""
+    batch = cache_seqlens.shape[0]
+    schedule = _empty((batch + 3,), torch.int32, cache_seqlens.device)
+    mla_decode_schedule_kernel[(1,)](
+        cache_seqlens, schedule, batch, max_tokens, m_blocks, slots, chunks, BLOCK_B=schedule_block(batch),
+        BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, TOLERANCE=SPLIT_TOLERANCE, num_warps=4)
+    return schedule
 
 
 def check_mla_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -630,16 +654,10 @@ def _launch(q, cache_args, fp8_args, block_table, cache_seqlens, head_dim_v: int
     cache, stride_cp, stride_ct = cache_args
     scales, rope, stride_sp, stride_st, stride_rp, stride_rt = fp8_args or (out, out, 0, 0, 0, 0)  # unread: bf16
     if chunks:  # splits sized on the device from the lengths (module docstring: "Splits")
-        schedule = _empty((batch + 3,), torch.int32, q.device)
-        # at least 128: smaller blocks of lengths made ptxas emit up to hundreds of spill instructions in
-        # kernel 1's 64-row build (2 at 128 and up; tests/kernels/test_mla_decode.py compiles 128 and 4096)
-        block_b = max(128, triton.next_power_of_2(batch))
+        block_b = schedule_block(batch)
         slots = num_sms * resident_per_sm(plan.block_m, plan.block_n, plan.num_stages, plan.num_warps,
                                           q.element_size())
-        mla_decode_schedule_kernel[(1,)](
-            cache_seqlens, schedule, batch, max_tokens, m_blocks, slots, chunks,
-            BLOCK_B=block_b, BLOCK_N=plan.block_n, MIN_SPLIT=MIN_SPLIT_TOKENS, TOLERANCE=SPLIT_TOLERANCE,
-            num_warps=4)
+        schedule = launch_schedule(cache_seqlens, max_tokens, m_blocks, slots, chunks, plan.block_n)
         part_out = _empty((batch * chunks, rows, head_dim_v), torch.float32, q.device)
         part_lse = _empty((batch * chunks, rows), torch.float32, q.device)
         # persistent: one program a resident slot, walking the items

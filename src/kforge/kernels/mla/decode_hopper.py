@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-from kforge.kernels.mla.decode import (LOG2E, MAX_COMBINE_BLOCK, MAX_SCHEDULE_CHUNKS, MAX_SCHEDULED_BATCH,
-                                       MIN_SPLIT_TOKENS, SCHEDULE_SLACK, SPLIT_TOLERANCE, _empty, _wave_split,
-                                       check_mla_inputs, check_mla_table_values, mla_decode_combine_kernel,
-                                       mla_decode_schedule_kernel)
+from kforge.kernels.mla.decode import (LOG2E, MAX_COMBINE_BLOCK, _empty, _wave_split, check_mla_inputs,
+                                       check_mla_table_values, chunks_for, launch_schedule,
+                                       mla_decode_combine_kernel)
 
 SOURCE = Path(__file__).with_name("decode_hopper.cu")
 KERNEL = "mla_decode_hopper"
@@ -87,15 +86,9 @@ def plan_splits(batch: int, rows: int, max_tokens: int, num_sms: int) -> tuple[i
 
 def schedule_chunks(batch: int, rows: int, max_tokens: int, num_sms: int) -> int:
     """The most items a request may get from the device schedule (the grid's y), or 0 for the host
-    plan alone (decode.schedule_chunks' rule for one CTA an SM): at least the host plan's splits,
-    up to SCHEDULE_SLACK waves' worth of CTAs for shorter requests, at most MAX_SCHEDULE_CHUNKS."""
+    plan alone: decode.chunks_for with one CTA an SM."""
     _, splits = plan_splits(batch, rows, max_tokens, num_sms)
-    if batch > MAX_SCHEDULED_BATCH or splits > MAX_SCHEDULE_CHUNKS:
-        return 0
-    most = max(1, math.ceil(max_tokens / MIN_SPLIT_TOKENS))
-    wanted = math.ceil(SCHEDULE_SLACK * num_sms / (batch * math.ceil(rows / BLOCK_M)))
-    chunks = min(most, max(splits, min(wanted, MAX_SCHEDULE_CHUNKS)))
-    return chunks if chunks > 1 else 0
+    return chunks_for(splits, batch * math.ceil(rows / BLOCK_M), num_sms, batch, max_tokens)
 
 
 @cache
@@ -153,11 +146,7 @@ def run_checked(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
     m_blocks = math.ceil(rows / BLOCK_M)
     chunks = schedule_chunks(batch, rows, max_tokens, num_sms) if split_size is None else 0
     if chunks:  # splits sized on the device from the lengths (decode.py's schedule kernel, one CTA an SM)
-        schedule = _empty((batch + 3,), torch.int32, q.device)
-        mla_decode_schedule_kernel[(1,)](
-            cache_seqlens, schedule, batch, max_tokens, m_blocks, num_sms, chunks,
-            BLOCK_B=max(128, 1 << (batch - 1).bit_length()), BLOCK_N=BLOCK_N, MIN_SPLIT=MIN_SPLIT_TOKENS,
-            TOLERANCE=SPLIT_TOLERANCE, num_warps=4)
+        schedule = launch_schedule(cache_seqlens, max_tokens, m_blocks, num_sms, chunks, BLOCK_N)
         part_out = _empty((batch * chunks, rows, head_dim_v), torch.float32, q.device)
         part_lse = _empty((batch * chunks, rows), torch.float32, q.device)
         num_splits, split_size = chunks, BLOCK_N  # (split_size unread)
