@@ -47,7 +47,6 @@ from kforge import ops
 from kforge.errors import ModelError
 from kforge.kernels.quant.fp8_gemv import MAX_BATCH as FP8_GEMV_MAX_ROWS
 from kforge.kernels.serving.gemv import MAX_BATCH as GEMV_MAX_ROWS
-from kforge.kernels.serving.l2_prefetch import prefetch_l2
 from kforge.kernels.serving.rope import KERNEL_DTYPES as ROPE_KERNEL_DTYPES
 from kforge.kernels.serving.rope import apply_rope_, rope_reference_
 from kforge.models.llama.config import LlamaConfig, rope_table
@@ -82,28 +81,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight) -> to
 # The decode step's fusions (see the module docstring); False runs each op on its own, the same
 # numbers in more launches: scripts/decode_profile.py --unfused times the difference.
 FUSED_DECODE = True
-
-# The decode step's L2 prefetch (kernels/serving/l2_prefetch.py): while RoPE, the append and attention
-# run (HBM nearly idle at batch 1), the output projection's weight and the first bytes of gate/up, up
-# to PREFETCH_BYTES in all, are brought into L2; PREFETCH_NEXT_QKV also asks for the next layer's QKV
-# weight as the down projection starts. Hints only: the same bits either way.
-PREFETCH_WEIGHTS = False
-PREFETCH_BYTES = 32 << 20
-PREFETCH_NEXT_QKV = False
-
-
-def weight_tensors(weight: torch.Tensor | Int4Weight | Fp8Weight) -> list[torch.Tensor]:
-    """The tensors a GEMV reads for `weight`, the largest first."""
-    if isinstance(weight, Int4Weight):
-        return [weight.qweight, weight.scales]
-    if isinstance(weight, Fp8Weight):
-        return [weight.q, weight.scale]
-    return [weight]
-
-
-def prefetch_weights(*weights: torch.Tensor | Int4Weight | Fp8Weight, max_bytes: int | None) -> None:
-    """`prefetch_l2` of the weights' tensors, in order, `max_bytes` in all (the first four tensors)."""
-    prefetch_l2([t for w in weights for t in weight_tensors(w)][:4], max_bytes)
 
 
 def linear_swiglu(x: torch.Tensor, weight: torch.Tensor | Int4Weight | Fp8Weight) -> torch.Tensor:
@@ -321,8 +298,6 @@ class Llama(nn.Module):
             k_pool, v_pool = cache.k[layer], cache.v[layer]
             # k, v and q are views into the QKV projection: the kernels take their strides as they are
             q, k, v = self._qkv(block, h, positions, rope, rotate=not FUSED_DECODE)
-            if PREFETCH_WEIGHTS:
-                prefetch_weights(block.wo, block.w_gate_up, max_bytes=PREFETCH_BYTES)
             if FUSED_DECODE:  # RoPE and the append in one launch, the same bits as the pair
                 ops.rope_paged_kv_append(q, k, v, positions, rope, k_pool, v_pool, tables, before, validate=False)
             else:
@@ -330,10 +305,7 @@ class Llama(nn.Module):
             # two launches: the one-launch reduce lost 1.6 us a call at 2,048 tokens and won 0.3 at 512
             # (H200, scripts/paged_decode_sweep.py)
             out = ops.paged_decode_attention(q, k_pool, v_pool, tables, after, validate=False, fused_reduce=False)
-            upcoming = None
-            if PREFETCH_WEIGHTS and PREFETCH_NEXT_QKV and layer + 1 < len(self.layers):
-                upcoming = self.layers[layer + 1].wqkv
-            h = self._after_attention(block, out, h, upcoming)
+            h = self._after_attention(block, out, h)
         return self._logits(h)
 
     def _qkv(self, block: Block, h: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, rotate: bool = True
@@ -352,15 +324,11 @@ class Llama(nn.Module):
             _rope(q, k, positions, table)
         return q, k, v
 
-    def _after_attention(self, block: Block, attention: torch.Tensor, h: torch.Tensor, upcoming=None) -> torch.Tensor:
-        """The residual stream after the block: the output projection, the norm, SwiGLU. `upcoming`: a
-        weight to prefetch into L2 as the down projection starts (decode's PREFETCH_NEXT_QKV)."""
+    def _after_attention(self, block: Block, attention: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the block: the output projection, the norm, SwiGLU."""
         c = self.config
         x, h = ops.rms_norm(linear(attention.view(-1, c.q_dim), block.wo), block.ffn_norm, c.norm_eps, residual=h)
-        gated = linear_swiglu(x, block.w_gate_up)
-        if upcoming is not None:
-            prefetch_weights(upcoming, max_bytes=PREFETCH_BYTES)
-        return linear_residual(gated, block.w_down, h)
+        return linear_residual(linear_swiglu(x, block.w_gate_up), block.w_down, h)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return linear(ops.rms_norm(h, self.norm, self.config.norm_eps), self.head).float()
