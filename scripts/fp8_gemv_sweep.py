@@ -29,7 +29,7 @@ from quant_gemv_sweep import GRAPHED, ROUNDS, admit, ceilings, copy_bandwidth_gb
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
 # (MT, KW, XPF, MINB); MINB is the blocks an SM ptxas is asked to fit (3 caps 8 warps at 85 registers)
 VARIANTS = [(1, 8, 0, 3), (1, 8, 1, 2), (1, 8, 1, 1), (1, 4, 0, 5), (1, 4, 1, 4), (1, 16, 0, 1), (1, 16, 1, 1),
-            (2, 4, 0, 3), (2, 8, 0, 1), (2, 4, 1, 2)]
+            (2, 4, 0, 3), (2, 8, 0, 1), (2, 4, 1, 2), (1, 2, 1, 6)]
 
 
 def fp8_weight(n, k):
@@ -37,6 +37,7 @@ def fp8_weight(n, k):
 
 
 def sweep(copy_gbps, stream, sink, blocks, batches):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for n, k in SHAPES:
         q, scale = fp8_weight(n, k)
         w = dequantize_fp8(q, scale, (128, 128))
@@ -63,7 +64,7 @@ def sweep(copy_gbps, stream, sink, blocks, batches):
                                               x_ahead=bool(x_ahead), min_blocks=min_blocks)
 
                 call()
-                default = (m_tiles, k_warps, bool(x_ahead), min_blocks) == fp8_gemv.cuda_variant(n, batch)
+                default = (m_tiles, k_warps, bool(x_ahead), min_blocks) == fp8_gemv.cuda_variant(n, batch, sms)
                 name = f"CUDA fp8_gemv MT={m_tiles} KW={k_warps} XPF={x_ahead} MINB={min_blocks}" + (
                     " (default)" if default else "")
                 admit(fns, name, call, y, want, 2e-2)

@@ -367,6 +367,44 @@ def test_the_residual_build_adds_in_the_store_and_keeps_the_loop():
     assert more["LDG.E.U16.CONSTANT"] == 1 and more["FADD"] == 1 and more["F2F.BF16.F32"] == 1, more
 
 
+@pytest.mark.parametrize("n", [4096, 28672])
+def test_the_one_token_mma_builds_compile_for_sm90_as_designed(n):
+    """w4a16_mma.cu as one token takes it (`mma_variant(n, 1)`): DEPTH chunks a warp a trip of the
+    loop (8 k16 steps of MT mma.sync each), no spills; its RESIDUAL build does the same work in the
+    loop and, per stored element, one 16-bit load, one add and one more rounding (a lane stores
+    four: two rows x two tokens of its fragment, MT m-tiles)."""
+    from collections import Counter
+
+    from kforge.runtime.cuda import compile_cuda, resources, sass, sass_loops
+
+    m_tiles, k_warps, x_ahead, depth = w4a16.mma_variant(n, 1)
+    defines = {"MT": m_tiles, "NT": 1, "KW": k_warps, "XPF": int(x_ahead), "DEPTH": depth}
+    plain, fused = (compile_cuda(w4a16.MMA_SOURCE, arch="sm_90a", defines={**defines, **extra})
+                    for extra in ({}, {"RESIDUAL": 1}))
+    for cubin in (plain, fused):
+        used = resources(cubin)["w4a16_mma"]
+        assert (used.spill_stores, used.spill_loads, used.stack_bytes, used.local_bytes) == (0, 0, 0, 0), used
+    plain_loop, fused_loop = (Counter(max(sass_loops(sass(c)), key=len)) for c in (plain, fused))
+    assert plain_loop["HMMA.16816.F32.BF16"] == depth * 8 * m_tiles, plain_loop
+    assert plain_loop["LDG.E.NA.128.CONSTANT"] == depth * 2 * m_tiles, plain_loop
+    assert fused_loop == plain_loop
+
+    def count(op, cubin):
+        return sum(f" {op} " in line for line in sass(cubin).splitlines())
+
+    for op in ("LDG.E.U16.CONSTANT", "FADD", "F2F.BF16.F32"):
+        assert count(op, fused) == count(op, plain) + 4 * m_tiles, op
+
+
+def test_one_token_kernel_by_width():
+    """The H200's choice of one-token kernel at the Llama-3-8B widths (`one_token_kernel`)."""
+    chosen = {(n, k): w4a16.one_token_kernel(n, k) for n, k in LLAMA3_8B}
+    assert chosen == {(4096, 4096): "mma", (6144, 4096): "gemv", (14336, 4096): "bulk", (28672, 4096): "mma",
+                      (4096, 14336): "mma"}
+    assert w4a16.one_token_kernel(14336, 8192) == "gemv"  # the bulk-fed kernel takes K up to 4096
+    assert w4a16.mma_variant(28672, 1) == (2, 4, True, 2) and w4a16.mma_variant(4096, 1) == (1, 8, True, 3)
+
+
 def test_the_residual_op_gives_the_pairs_bits_and_the_model_takes_it(monkeypatch):
     from kforge import ops
     from kforge.models.llama import model
@@ -452,24 +490,27 @@ def test_the_one_token_cuda_kernel_in_every_variant_group_and_odd_shape(monkeypa
     a strided W (padded rows); two rows take w4a16_mma.cu."""
     launch = w4a16.launch_cuda_gemv
     calls = _count_cuda_launches(monkeypatch)
-    cases = [(777, 1536, 128, 1.0), (9, 32, 32, 1.0), (4096, 4096, 64, 1e12), (300, 2048, 256, 1e-12),
-             (1000, 4096, 128, 1.0)]
-    for n, k, group, x_scale in cases:
+    # (N, K, group, x's scale, whether w4a16_matmul takes w4a16_gemv.cu: the rest fit w4a16_mma.cu)
+    cases = [(777, 1536, 128, 1.0, False), (9, 32, 32, 1.0, True), (4096, 4096, 64, 1e12, True),
+             (300, 2048, 256, 1e-12, False), (1000, 4096, 128, 1.0, False), (6144, 1024, 128, 1.0, True)]
+    for n, k, group, x_scale, gemv_taken in cases:
+        before = len(calls)
         x, qweight, scales = _inputs(1, n, k, group, "cuda", x_scale=x_scale)
         assert_matches(w4a16_matmul(x, qweight, scales, group), x, qweight, scales, group)
+        assert len(calls) - before == int(gemv_taken), (n, k, group)
         for rows, warps in ((1, 4), (2, 8), (4, 4), (8, 8)):
             y = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             launch(x, qweight, scales, group, y, rows=rows, warps=warps)
             assert_matches(y, x, qweight, scales, group)
-    assert len(calls) == len(cases), "one token takes the CUDA kernel"
-    x, qweight, scales = _inputs(1, 300, 1024, 128, "cuda")
-    padded = torch.zeros(300, 1024 // 2 + 16, dtype=torch.uint8, device="cuda")
+    x, qweight, scales = _inputs(1, 6000, 1024, 128, "cuda")
+    padded = torch.zeros(6000, 1024 // 2 + 16, dtype=torch.uint8, device="cuda")
     padded[:, :512] = qweight
+    before = len(calls)
     assert_matches(w4a16_matmul(x[0], padded[:, :512], scales), x[0], qweight, scales, 128)
-    assert len(calls) == len(cases) + 1
+    assert len(calls) == before + 1
     x2, qweight, scales = _inputs(2, 300, 1024, 128, "cuda")
     assert_matches(w4a16_matmul(x2, qweight, scales), x2, qweight, scales, 128)
-    assert len(calls) == len(cases) + 1, "two rows take w4a16_mma.cu"
+    assert len(calls) == before + 1, "two rows take w4a16_mma.cu"
 
 
 @pytest.mark.gpu
@@ -504,29 +545,35 @@ def test_the_bulk_fed_kernel_computes_the_one_token_kernels_bits(rows, consumers
 
 
 @pytest.mark.gpu
-def test_one_token_takes_the_bulk_fed_kernel_where_it_is_faster(monkeypatch, nan_outputs):
-    """w4a16_matmul at batch 1: wide W with K <= 4096 (14336 x 4096, 28672 x 4096) through
-    w4a16_gemv_bulk.cu, the rest (4096 x 4096, 4096 x 14336, and a W whose group the bulk kernel
-    does not take) through w4a16_gemv.cu; the numbers right either way."""
-    bulk_calls = []
-    real = w4a16.launch_bulk_gemv
-    monkeypatch.setattr(w4a16, "launch_bulk_gemv", lambda *args, **kw: bulk_calls.append(args) or real(*args, **kw))
-    for (n, k, group), bulk in {(14336, 4096, 128): True, (28672, 4096, 128): True, (4096, 4096, 128): False,
-                                (4096, 14336, 128): False, (14336, 4096, 64): False}.items():
-        before = len(bulk_calls)
+def test_one_token_takes_the_kernel_one_token_kernel_names(monkeypatch, nan_outputs):
+    """w4a16_matmul at batch 1 at the Llama-3-8B widths: each through the kernel `one_token_kernel`
+    names (w4a16_mma.cu at 4096 and 28672 rows, the bulk-fed kernel at 14336 x 4096, w4a16_gemv.cu
+    at 6144), and a W whose group the bulk kernel does not take through w4a16_gemv.cu; the numbers
+    right either way."""
+    calls = {name: [] for name in ("bulk", "mma", "gemv")}
+    for name, attribute in (("bulk", "launch_bulk_gemv"), ("mma", "launch_cuda_mma"), ("gemv", "launch_cuda_gemv")):
+        real = getattr(w4a16, attribute)
+        monkeypatch.setattr(w4a16, attribute, lambda *args, real=real, seen=calls[name], **kw:
+                            seen.append(args) or real(*args, **kw))
+    for (n, k, group), taken in {(14336, 4096, 128): "bulk", (28672, 4096, 128): "mma", (4096, 4096, 128): "mma",
+                                 (4096, 14336, 128): "mma", (6144, 4096, 128): "gemv",
+                                 (14336, 4096, 64): "gemv"}.items():
+        before = {name: len(seen) for name, seen in calls.items()}
         x, qweight, scales = _inputs(1, n, k, group, "cuda", seed=n + k)
         assert_matches(w4a16_matmul(x, qweight, scales, group), x, qweight, scales, group)
-        assert len(bulk_calls) - before == int(bulk), (n, k, group)
+        assert {name: len(seen) - before[name] for name, seen in calls.items()} == {
+            name: int(name == taken) for name in calls}, (n, k, group)
 
 
 @pytest.mark.gpu
 def test_the_residual_build_gives_the_pairs_bits(nan_outputs):
     """One token: RESIDUAL 1 against the plain build and torch's bf16 add, bit for bit, at odd N,
-    both groups, and on the bulk-fed path (which adds after); several tokens add after."""
+    both groups, on w4a16_gemv.cu and w4a16_mma.cu (each adds in its store) and on the bulk-fed path
+    (which adds after); several tokens add after."""
     from kforge import ops
 
     for m, n, k, group in ((1, 300, 1024, 128), (1, 4096, 14336, 128), (1, 14336, 4096, 128), (1, 777, 512, 64),
-                           (3, 300, 1024, 128)):
+                           (1, 28672, 4096, 128), (1, 6144, 4096, 128), (3, 300, 1024, 128)):
         x, qweight, scales = _inputs(m, n, k, group, "cuda", seed=n)
         residual = torch.randn(m, n, device="cuda").bfloat16()
         pair = residual + w4a16_op(x, qweight, scales, group)
@@ -535,22 +582,25 @@ def test_the_residual_build_gives_the_pairs_bits(nan_outputs):
 
 @pytest.mark.gpu
 def test_the_few_token_mma_kernel_in_every_variant_batch_group_and_odd_shape(nan_outputs):
-    """w4a16_mma.cu against float64 for 2 to 32 tokens (one to four n-tiles, the last partly past
-    the batch), every (MT, KW, XPF) variant that fits shared memory, N not a multiple of a block's rows
+    """w4a16_mma.cu against float64 for 1 to 32 tokens (one to four n-tiles, the last partly past
+    the batch), every (MT, KW, XPF) variant that fits shared memory (one token: two and three chunks
+    held a warp), N not a multiple of a block's rows
     (9, 777, 4100), K of one chunk (fewer chunks than warps) to 112, groups of 1, 2 and 4 chunks,
     x far from 1, x with padded rows and W with padded rows; each output NaN-poisoned first."""
     cases = [(777, 1152, 128, 1.0), (9, 128, 128, 1.0), (4100, 4096, 256, 1e12), (300, 14336, 512, 1e-12),
              (1000, 2048, 128, 1.0)]
-    for batch in (2, 3, 8, 9, 16, 17, 32):
+    for batch in (1, 2, 3, 8, 9, 16, 17, 32):
         for n, k, group, x_scale in cases:
             x, qweight, scales = _inputs(batch, n, k, group, "cuda", seed=batch + n, x_scale=x_scale)
             assert w4a16.cuda_mma_fits(x, qweight, group)
             for m_tiles, k_warps, x_ahead in itertools.product((1, 2, 3, 4), (1, 4, 8), (False, True)):
                 if w4a16.mma_shared_bytes(m_tiles, triton.cdiv(batch, 8), k_warps) > w4a16.MMA_SHARED_LIMIT:
                     continue
-                y = torch.full((batch, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                w4a16.launch_cuda_mma(x, qweight, scales, group, y, m_tiles=m_tiles, k_warps=k_warps, x_ahead=x_ahead)
-                assert_matches(y, x, qweight, scales, group)
+                for depth in (2, 3) if batch == 1 else (2,):
+                    y = torch.full((batch, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    w4a16.launch_cuda_mma(x, qweight, scales, group, y, m_tiles=m_tiles, k_warps=k_warps,
+                                          x_ahead=x_ahead, depth=depth)
+                    assert_matches(y, x, qweight, scales, group)
     x, qweight, scales = _inputs(5, 300, 1024, 128, "cuda")
     wide_x = torch.randn(5, 1024 + 64, device="cuda").bfloat16()
     wide_x[:, :1024] = x
@@ -566,12 +616,13 @@ def test_the_few_token_mma_kernel_in_every_variant_batch_group_and_odd_shape(nan
 @pytest.mark.gpu
 def test_a_few_tokens_take_the_mma_kernel_where_it_fits(monkeypatch, nan_outputs):
     """w4a16_matmul for 2 to 32 tokens: w4a16_mma.cu where the group is 128 k times a power of two,
-    the Triton kernels otherwise (group 64; 384, three chunks); one token never."""
+    the Triton kernels otherwise (group 64; 384, three chunks); one token where `one_token_kernel`
+    names it (1000 rows)."""
     calls = []
     real = w4a16.launch_cuda_mma
     monkeypatch.setattr(w4a16, "launch_cuda_mma", lambda *args, **kw: calls.append(args) or real(*args, **kw))
     for (batch, group), taken in {(3, 128): True, (32, 256): True, (16, 64): False, (16, 384): False,
-                                  (1, 128): False, (2, 128): True}.items():
+                                  (1, 128): True, (2, 128): True}.items():
         before = len(calls)
         x, qweight, scales = _inputs(batch, 1000, 1536, group, "cuda", seed=batch)
         assert_matches(w4a16_matmul(x, qweight, scales, group), x, qweight, scales, group)

@@ -79,8 +79,8 @@ def _check_residual(x: torch.Tensor, qweight: torch.Tensor, residual: torch.Tens
 def w4a16_matmul_residual(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor,
                           group: int = 128) -> torch.Tensor:
     """residual + `w4a16_matmul(x, qweight, scales, group)`, the unfused pair's bits (the product
-    rounded to bf16, then torch's bf16 add); for one token on the GPU the add is in the GEMV's
-    store (`w4a16_gemv.cu` built RESIDUAL), one launch less a decode layer."""
+    rounded to bf16, then torch's bf16 add); for one token on the GPU the add is in the kernel's
+    store (`w4a16_gemv.cu` or `w4a16_mma.cu` built RESIDUAL), one launch less a decode layer."""
     _check_shapes(x, qweight, scales, group)
     _check_residual(x, qweight, residual)
     x, scales = x.contiguous(), scales.contiguous()

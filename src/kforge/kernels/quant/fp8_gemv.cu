@@ -34,8 +34,9 @@
 // and tokens past the batch the last token; neither is stored. K must be whole chunks and W's and
 // x's rows 16-byte aligned (the wrapper checks).
 //
-// The defaults (MT 1, KW 8, XPF 0, MINB 3: 74-80 registers on sm_90, no spills, 3 blocks of 8 warps
-// an SM) and the variant taken above 8 tokens are measured choices: fp8_gemv.py's `cuda_variant`.
+// The defaults here (MT 1, KW 8, XPF 0, MINB 3: 74-80 registers on sm_90, no spills, 3 blocks of 8
+// warps an SM) and the variants taken by width and batch are measured choices: fp8_gemv.py's
+// `cuda_variant`.
 //
 // RESIDUAL 1 adds `residual` (M, N) bf16 in the store, as the unfused pair rounds it: the product
 // to bf16 first, then the add in fp32 (torch's bf16 add), rounded again; one launch less a layer.

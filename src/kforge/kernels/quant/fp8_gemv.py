@@ -49,7 +49,9 @@ dequantized onto the bf16 GEMM so that x is never quantized at any batch (`model
 Measured on the H100 (`scripts/fp8_gemv_sweep.py`, every variant against the bf16 GEMV on the
 dequantized W and a read stream of the same bytes): at one token 44.7 us at N = 28672, K = 4096
 (85% of copy; the bf16 GEMV 79.8 us), 10.7 us at 4096 x 4096 (launch-bound: a read stream of
-the same bytes takes 10.2 us); `cuda_variant` holds the choices the sweep made.
+the same bytes takes 10.2 us). On the H200 at one token, eight calls in a CUDA graph: 33.0 us at
+28672 x 4096 (3.56 TB/s, 84% of a read stream of the same bytes), 7.2 us at 4096 x 4096 (the read
+stream 6.8). `cuda_variant` holds the choices the sweeps made.
 """
 
 from __future__ import annotations
@@ -146,7 +148,14 @@ CUDA_KINDS = ("ptr",) * 5 + ("i32",) * 8
 CUDA_SHARED_LIMIT = 48 * 1024  # the cross-warp sums are static shared memory
 _CUDA_KERNELS: dict[tuple, object] = {}
 _CUDA_PLANS: dict[tuple, tuple] = {}
+_SM_COUNT: dict[int, int] = {}
 _CAPABILITY: dict[int, tuple[int, int]] = {}  # by device index (a query costs microseconds a call)
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
 
 
 def capability(index: int) -> tuple[int, int]:
@@ -160,18 +169,30 @@ def cuda_shared_bytes(m_tiles: int, n_tiles: int, k_warps: int) -> int:
     return max(k_warps - 1, 1) * m_tiles * n_tiles * 4 * 32 * 4
 
 
-def cuda_variant(n: int, batch: int) -> tuple[int, int, bool, int]:
-    """(MT, KW, XPF, MINB) of `fp8_gemv.cu`: 16-row m-tiles a warp, warps a block (splitting K),
-    whether x is loaded a chunk ahead with W, and the blocks an SM its registers are capped for.
+def cuda_variant(n: int, batch: int, sms: int) -> tuple[int, int, bool, int]:
+    """(MT, KW, XPF, MINB) of `fp8_gemv.cu` for N rows, `batch` tokens, on a GPU of `sms` SMs: 16-row
+    m-tiles a warp, warps a block (splitting K), whether x is loaded a chunk ahead with W, and the
+    blocks an SM its registers are capped for.
 
-    Measured (H100, `scripts/fp8_gemv_sweep.py 1 16`, fp8-gemv-sweep.txt): at one token, one
-    m-tile and 8 warps, x loaded when its chunk is computed, 3 blocks an SM, came within 9% of the
-    best of ten variants at every Llama-3-8B width (3% on average; 85% of copy at N = 28672). At
-    16 tokens (two n-tiles of x) that variant fell 34% behind at N = 28672: two m-tiles a warp
-    over four warps, x loaded ahead, 2 blocks an SM came within 9% everywhere (5% on average),
-    28.3 us against 38.0 at N = 14336. Batches 2-8 (one n-tile, as at one token) keep the first;
-    9-15 take the second, not measured between."""
-    return (1, 8, False, 3) if batch <= 8 else (2, 4, True, 2)
+    At up to 8 tokens (one n-tile), measured on the H200 (one token, eight calls in a CUDA graph at
+    the Llama-3-8B widths; benchmarks/results/nvidia-h200/fp8-gemv-one-token.txt):
+    - x ahead over 8 warps, 2 blocks an SM, where the grid (one block per 16 rows) is one wave at 2
+      blocks an SM: 4096 x 4096 7.24-7.54 us against 7.65-7.95, 4096 x 14336 17.8-18.3 against
+      19.0-20.3. At 6144 rows that grid is 1.45 waves and lost (11.1 against 9.7).
+    - over 8192 rows, x ahead over 2 warps, 6 blocks an SM: 28672 x 4096 33.0 against 35.1, 14336 x
+      4096 18.0 against 20.9.
+    - otherwise one m-tile over 8 warps, x loaded when its chunk is computed, 3 blocks an SM (the
+      H100's choice at every width: `scripts/fp8_gemv_sweep.py`, fp8-gemv-sweep.txt).
+    At 16 tokens (two n-tiles) two m-tiles a warp over four warps, x ahead, 2 blocks an SM came
+    within 9% of the best everywhere on the H100 (28.3 us against 38.0 at N = 14336); batches 9-15
+    take it too, not measured between."""
+    if batch > 8:
+        return (2, 4, True, 2)
+    if n <= 2 * sms * 16:
+        return (1, 8, True, 2)
+    if n > 8192:
+        return (1, 2, True, 6)
+    return (1, 8, False, 3)
 
 
 def cuda_kernel_fits(x: torch.Tensor, q: torch.Tensor) -> bool:
@@ -203,9 +224,10 @@ def _cuda_plan(x, q, scale, y, m_tiles, k_warps, x_ahead, min_blocks, r_row) -> 
     """(lean launch, device index, the scalar arguments) of `fp8_gemv.cu` for one shape."""
     batch, k = x.shape
     n = q.shape[0]
-    default_mt, default_kw, default_xpf, default_minb = cuda_variant(n, batch)
-    m_tiles, k_warps, min_blocks = m_tiles or default_mt, k_warps or default_kw, min_blocks or default_minb
-    x_ahead = default_xpf if x_ahead is None else x_ahead
+    if None in (m_tiles, k_warps, x_ahead, min_blocks):
+        default_mt, default_kw, default_xpf, default_minb = cuda_variant(n, batch, _sm_count(x.device.index))
+        m_tiles, k_warps, min_blocks = m_tiles or default_mt, k_warps or default_kw, min_blocks or default_minb
+        x_ahead = default_xpf if x_ahead is None else x_ahead
     n_tiles = triton.cdiv(batch, 8)
     if m_tiles not in (1, 2, 4, 8):
         raise ValueError(f"fp8_gemv.cu takes 1, 2, 4 or 8 m-tiles a warp (16 MT rows inside one 128-row scale "

@@ -69,6 +69,8 @@ tensor-core path): 11-30% of copy, paying the split-K partials and a second laun
 Where K <= 4096 and N >= 12288 a second CUDA kernel takes the token (`w4a16_gemv_bulk.cu`: W
 streamed into shared memory by the bulk-copy engine, the same sums bit for bit):
 14336 x 4096 16.3 us (60%), 28672 x 4096 25.6 us (77%, 90% of the read stream).
+On the H200 the tensor-core kernel below took one token faster at 4096 and 28672 rows, so it
+takes them there (`one_token_kernel`).
 
 For 2 to 32 tokens on a GPU `w4a16_mma.cu` takes over from the Triton paths above where the
 group is 128 k times a power of two: bf16 mma.sync on q decoded by one LOP3 and one bf16x2 FMA a
@@ -506,7 +508,7 @@ def launch_bulk_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
 
 
 MMA_SOURCE = Path(__file__).with_name("w4a16_mma.cu")
-MMA_KINDS = ("ptr",) * 4 + ("i32",) * 8
+MMA_KINDS = ("ptr",) * 5 + ("i32",) * 9
 MMA_SHARED_LIMIT = 48 * 1024  # the kernel's cross-warp sums are static shared memory
 
 
@@ -515,88 +517,116 @@ def mma_shared_bytes(m_tiles: int, n_tiles: int, k_warps: int) -> int:
     return max(k_warps - 1, 1) * m_tiles * n_tiles * 4 * 32 * 4
 
 
-def mma_variant(n: int, batch: int) -> tuple[int, int, bool]:
-    """(MT, KW, XPF) of `w4a16_mma.cu`: 16-row m-tiles a warp, warps a block (splitting K), and
-    whether x is loaded a chunk ahead with W. The fastest measured on the H100 at N x K = 4096 x
-    4096, 14336 x 4096, 4096 x 14336, 28672 x 4096 and batches 2, 3, 8, 16, 32
-    (scripts/quant_gemv_sweep.py w4a16-batch; at batch 2 within 5% of the best): few rows want more warps on K;
-    x ahead pays where its registers fit (it did not at 14336 and 28672 rows beyond 8 tokens). At
-    17-32 tokens and over 16384 rows, 4 m-tiles spill a little at 32 tokens and still measured fastest."""
+def mma_variant(n: int, batch: int) -> tuple[int, int, bool, int]:
+    """(MT, KW, XPF, DEPTH) of `w4a16_mma.cu`: 16-row m-tiles a warp, warps a block (splitting K),
+    whether x is loaded a chunk ahead with W, and the chunks a warp holds in registers.
+
+    One token (H200, eight calls in a CUDA graph; benchmarks/results/nvidia-h200/w4a16-one-token.txt):
+    one m-tile over 8 warps, x ahead, three chunks held: 4096 x 4096 6.1 us, 4096 x 14336 13.4; over
+    16384 rows two m-tiles over 4 warps, two chunks: 28672 x 4096 21.4-22.1 us.
+    2 to 32 tokens: the fastest measured on the H100 at N x K = 4096 x 4096, 14336 x 4096, 4096 x
+    14336, 28672 x 4096 and batches 2, 3, 8, 16, 32 (scripts/quant_gemv_sweep.py w4a16-batch; at
+    batch 2 within 5% of the best): few rows want more warps on K; x ahead pays where its registers
+    fit (it did not at 14336 and 28672 rows beyond 8 tokens). At 17-32 tokens and over 16384 rows,
+    4 m-tiles spill a little at 32 tokens and still measured fastest."""
+    if batch == 1:
+        return (2, 4, True, 2) if n >= 16384 else (1, 8, True, 3)
     n_tiles = triton.cdiv(batch, 8)
     if n_tiles == 1:
-        return (1, 8, True) if n <= 8192 else (2, 4, True)
+        return (1, 8, True, 2) if n <= 8192 else (2, 4, True, 2)
     if n_tiles == 2:
-        return (2, 8, True) if n <= 8192 else (2, 4, False) if n <= 16384 else (2, 2, False)
-    return (2, 8, n_tiles == 3) if n <= 8192 else (3, 2, False) if n <= 16384 else (4, 2, False)
+        return (2, 8, True, 2) if n <= 8192 else (2, 4, False, 2) if n <= 16384 else (2, 2, False, 2)
+    return (2, 8, n_tiles == 3, 2) if n <= 8192 else (3, 2, False, 2) if n <= 16384 else (4, 2, False, 2)
+
+
+def one_token_kernel(n: int, k: int) -> str:
+    """Which CUDA kernel takes one token of an N x K weight: "mma" (`w4a16_mma.cu`), "bulk"
+    (`w4a16_gemv_bulk.cu`) or "gemv" (`w4a16_gemv.cu`), by the H200's measurements (eight calls in
+    a CUDA graph, `mma_variant`'s figures): the mma kernel at 4096 rows (6.1 us against 6.5 at K
+    4096, 13.4 against 14.7 at K 14336) and over 16384 (28672 x 4096: 21.4-22.1 against the bulk
+    kernel's 23.5); at 6144 and 14336 rows the one-token kernels were as fast (7.6 against 7.7,
+    13.3 against 13.4) and keep them, the bulk-fed kernel where `bulk_is_faster`. The caller
+    checks that the kernel takes the operands."""
+    if n <= 4096 or n >= 16384:
+        return "mma"
+    return "bulk" if bulk_is_faster(n, k) else "gemv"
 
 
 def cuda_mma_fits(x: torch.Tensor, qweight: torch.Tensor, group: int) -> bool:
-    """Whether `w4a16_mma.cu` takes (checked) 2-D x: 2 to 32 tokens on a GPU with bf16 mma.sync
+    """Whether `w4a16_mma.cu` takes (checked) 2-D x: 1 to 32 tokens on a GPU with bf16 mma.sync
     (sm_80 on), K of whole 128-k chunks, a group of a power-of-two number of chunks (the scale's
     index is a shift), 16-byte loads of W and x (rows and addresses 16-byte aligned)."""
     batch, k = x.shape
     chunks_a_group = group // 128
-    return (x.is_cuda and 1 < batch <= MAX_BATCH and k % 128 == 0 and group % 128 == 0
+    return (x.is_cuda and 0 < batch <= MAX_BATCH and k % 128 == 0 and group % 128 == 0
             and chunks_a_group & (chunks_a_group - 1) == 0 and _capability(x.device.index) >= (8, 0)
             and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0
             and qweight.stride(0) % 16 == 0)
 
 
 def launch_cuda_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int, y: torch.Tensor, *,
-                    m_tiles: int | None = None, k_warps: int | None = None, x_ahead: bool | None = None) -> None:
-    """y (M, N) on `w4a16_mma.cu` for operands that `cuda_mma_fits`; `m_tiles`, `k_warps` and
-    `x_ahead` pick its MT, KW and XPF (default: `mma_variant`), NT follows M. A plan per shape and
-    strides keeps the lean launch with its scalar arguments: a call passes the four pointers."""
-    key = (x.shape, qweight.shape[0], group, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-           x.device.index, m_tiles, k_warps, x_ahead)
+                    m_tiles: int | None = None, k_warps: int | None = None, x_ahead: bool | None = None,
+                    depth: int | None = None, residual: torch.Tensor | None = None) -> None:
+    """y (M, N) on `w4a16_mma.cu` for operands that `cuda_mma_fits`; `m_tiles`, `k_warps`, `x_ahead`
+    and `depth` pick its MT, KW, XPF and DEPTH (default: `mma_variant`), NT follows M; `residual`
+    (M, N) bf16 with contiguous rows is added in the store (the RESIDUAL build). A plan per shape and
+    strides keeps the lean launch with its scalar arguments: a call passes the five pointers."""
+    r_row = None if residual is None else residual.stride(0)
+    key = (x.shape, qweight.shape[0], group, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), r_row,
+           x.device.index, m_tiles, k_warps, x_ahead, depth)
     plan = _MMA_PLANS.get(key)
     if plan is None:
-        plan = _MMA_PLANS[key] = _mma_plan(x, qweight, scales, group, y, m_tiles, k_warps, x_ahead)
+        plan = _MMA_PLANS[key] = _mma_plan(x, qweight, scales, group, y, m_tiles, k_warps, x_ahead, depth, r_row)
     launch, index, scalars = plan
     launch(torch._C._cuda_getCurrentRawStream(index), qweight.data_ptr(), scales.data_ptr(), x.data_ptr(),
-           y.data_ptr(), *scalars)
+           y.data_ptr(), 0 if residual is None else residual.data_ptr(), *scalars)
 
 
 _MMA_PLANS: dict[tuple, tuple] = {}
 
 
-def _mma_plan(x, qweight, scales, group, y, m_tiles, k_warps, x_ahead) -> tuple:
+def _mma_plan(x, qweight, scales, group, y, m_tiles, k_warps, x_ahead, depth, r_row) -> tuple:
     """(lean launch, device index, the scalar arguments) of `w4a16_mma.cu` for one shape."""
     batch, k = x.shape
     n = qweight.shape[0]
-    default_mt, default_kw, default_xpf = mma_variant(n, batch)
-    m_tiles, k_warps = m_tiles or default_mt, k_warps or default_kw
+    default_mt, default_kw, default_xpf, default_depth = mma_variant(n, batch)
+    m_tiles, k_warps, depth = m_tiles or default_mt, k_warps or default_kw, depth or default_depth
     x_ahead = default_xpf if x_ahead is None else x_ahead
     n_tiles = triton.cdiv(batch, 8)
     shared = mma_shared_bytes(m_tiles, n_tiles, k_warps)
     if shared > MMA_SHARED_LIMIT:
         raise ValueError(f"w4a16_mma.cu with MT={m_tiles}, NT={n_tiles}, KW={k_warps} needs {shared} bytes of "
                          f"shared memory, over {MMA_SHARED_LIMIT}")
-    variant = ("mma", m_tiles, n_tiles, k_warps, x_ahead)
+    variant = ("mma", m_tiles, n_tiles, k_warps, x_ahead, depth, r_row is not None)
     kernel = _CUDA_LAUNCHES.get(variant)
     if kernel is None:
         from kforge.runtime.cuda import CudaKernel
 
         kernel = _CUDA_LAUNCHES[variant] = CudaKernel.from_file(
-            MMA_SOURCE, "w4a16_mma", defines={"MT": m_tiles, "NT": n_tiles, "KW": k_warps, "XPF": int(x_ahead)})
+            MMA_SOURCE, "w4a16_mma", defines={"MT": m_tiles, "NT": n_tiles, "KW": k_warps, "XPF": int(x_ahead),
+                                              "DEPTH": depth, "RESIDUAL": int(r_row is not None)})
     index = x.device.index
     launch = kernel.lean(triton.cdiv(n, 16 * m_tiles), 32 * k_warps, index, kinds=MMA_KINDS)
     scalars = (n, batch, k // 128, (group // 128).bit_length() - 1, qweight.stride(0) // 16, scales.stride(0),
-               x.stride(0) // 8, y.stride(0))
+               x.stride(0) // 8, y.stride(0), r_row or 0)
     return launch, index, scalars
 
 
 def launch_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int,
                  config: dict | None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """y (M, N) bf16 for checked 2-D x; `config` None picks the path and tile (see _choose_config).
-    With `residual` (M, N) bf16, contiguous: residual + y, in `w4a16_gemv.cu`'s store where that
-    kernel runs (one token), after the others; the same bits either way."""
+    With `residual` (M, N) bf16, contiguous: residual + y, in the store where a one-token call runs
+    `w4a16_gemv.cu` or `w4a16_mma.cu`, after the others; the same bits either way."""
     batch, k = x.shape
     n = qweight.shape[0]
     one_token = None
     if config is None and n and k and cuda_kernel_fits(x, qweight, group):
-        one_token = "bulk" if bulk_is_faster(n, k) and _bulk_operands_fit(x, qweight, scales, group) else "gemv"
-    if residual is not None and one_token != "gemv":
+        one_token = one_token_kernel(n, k)
+        if one_token == "mma" and not cuda_mma_fits(x, qweight, group):
+            one_token = "gemv"
+        if one_token == "bulk" and not _bulk_operands_fit(x, qweight, scales, group):
+            one_token = "gemv"
+    if residual is not None and one_token not in ("gemv", "mma"):
         return residual + launch_w4a16(x, qweight, scales, group, config)
     y = torch.empty((batch, n), dtype=torch.bfloat16, device=x.device)
     if y.numel() == 0:
@@ -608,6 +638,9 @@ def launch_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, g
         return y
     if one_token == "gemv":
         launch_cuda_gemv(x, qweight, scales, group, y, residual=None if residual is None else residual.contiguous())
+        return y
+    if one_token == "mma":
+        launch_cuda_mma(x, qweight, scales, group, y, residual=None if residual is None else residual.contiguous())
         return y
     if config is None and cuda_mma_fits(x, qweight, group):
         launch_cuda_mma(x, qweight, scales, group, y)

@@ -1,4 +1,4 @@
-// W4A16 for a few tokens (2 to 32) on mma.sync: y[m, n] = sum_g s[n, g] sum_{k in g} q[n, k] x[m, k],
+// W4A16 for 1 to 32 tokens on mma.sync: y[m, n] = sum_g s[n, g] sum_{k in g} q[n, k] x[m, k],
 // fp32 sums, y bf16. One launch, no partial sums in global memory.
 //
 // W as `formats.quantize_int4` packs it: q [N, K/2] bytes, k = 2j in byte j's low nibble, a 4-bit
@@ -25,16 +25,21 @@
 //
 // Layout. A warp owns MT m-tiles (16 MT rows); the KW warps of a block split K, chunk c going to
 // warp c % KW (so a block reads KW neighbouring chunks of each row at a time), and add their sums
-// through shared memory at the end in a fixed order: one launch, deterministic. The next chunk's
-// W is loaded while this one is computed (a register double buffer; XPF=1 loads the chunk's x
-// with it, where the registers allow); x (read by every block) goes through L1. Tokens past the
-// batch re-read the last token's x and are not stored.
+// through shared memory at the end in a fixed order: one launch, deterministic. The next DEPTH - 1
+// chunks' W is loaded while one is computed (a register ring; XPF=1 loads each chunk's x with it,
+// where the registers allow); x (read by every block) goes through L1. Tokens past the batch
+// re-read the last token's x and are not stored.
 //
-// Measured on the H100 (scripts/quant_gemv_sweep.py w4a16-batch): at N x K = 4096 x 4096, 14336 x 4096, 4096 x 14336, 28672 x 4096 and 2,
-// 3, 8, 16, 32 tokens, faster than cuBLAS's bf16 GEMM on the dequantized W (1.1-3.1x) and than the
-// Triton paths it replaces (1.1-1.9x) at every one; 2 to 8 tokens reach 30-70% of copy
-// (the read stream of the same bytes 40-85%), 32 tokens 20-39%. The loop is 2.2 (NT 1) to 3.3
-// (NT 4, MT 2) instructions a weight: few tokens are bound by the memory, many by issue.
+// RESIDUAL 1 adds `residual` (M, N) bf16 in the store, as the unfused pair rounds it: the product
+// to bf16 first, then the add in fp32 (torch's bf16 add), rounded again; one launch less a layer.
+//
+// Measured on the H100 (scripts/quant_gemv_sweep.py w4a16-batch): at N x K = 4096 x 4096, 14336 x
+// 4096, 4096 x 14336, 28672 x 4096 and 2, 3, 8, 16, 32 tokens, faster than cuBLAS's bf16 GEMM on the
+// dequantized W (1.1-3.1x) and than the Triton paths it replaces (1.1-1.9x) at every one; 2 to 8
+// tokens reach 30-70% of copy (the read stream of the same bytes 40-85%), 32 tokens 20-39%. The
+// loop is 2.2 (NT 1) to 3.3 (NT 4, MT 2) instructions a weight: few tokens are bound by the memory,
+// many by issue. On the H200 at one token it beat the one-token kernels at 4096 and 28672 rows
+// (w4a16.py's `one_token_kernel`).
 
 #ifndef MT
 #define MT 2  // 16-row m-tiles a warp
@@ -46,6 +51,12 @@
 #define KW 4  // warps a block, splitting K
 #endif
 
+#ifndef DEPTH
+#define DEPTH 2  // chunks a warp holds in registers: DEPTH - 1 loading while one is computed
+#endif
+#ifndef RESIDUAL
+#define RESIDUAL 0  // 1: y = residual + y, the residual add that follows the down projection in a decode step
+#endif
 #ifndef XPF
 #define XPF 0  // 1: x loaded a chunk ahead with W (registers) instead of when the chunk is computed
 #endif
@@ -166,8 +177,8 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[MT][NT][4], const Chu
 // Strides in the pointers' units: uint4 for q's and x's rows, u16 for s's and y's.
 extern "C" __global__ void __launch_bounds__(KW * 32)
 w4a16_mma(const uint4* __restrict__ q, const u16* __restrict__ s, const uint4* __restrict__ x,
-          u16* __restrict__ y, int n, int batch, int chunks, int group_shift, int q_row, int s_row, int x_row,
-          int y_row) {
+          u16* __restrict__ y, const u16* __restrict__ residual, int n, int batch, int chunks, int group_shift,
+          int q_row, int s_row, int x_row, int y_row, int r_row) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
     const int first = blockIdx.x * 16 * MT;
     u32 rows[MT][2], row_scales[MT][2];
@@ -194,15 +205,21 @@ w4a16_mma(const uint4* __restrict__ q, const u16* __restrict__ s, const uint4* _
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
-    // Two chunks in registers, taking turns: one is computed while the other's loads are in flight.
-    Chunk even, odd;
-    if (warp < chunks) load_chunk(even, q, s, rows, row_scales, x, tokens, warp, group_shift);
-    for (int c = warp; c < chunks; c += 2 * KW) {
-        if (c + KW < chunks) load_chunk(odd, q, s, rows, row_scales, x, tokens, c + KW, group_shift);
-        compute_chunk(acc, even, x, tokens, c, mask);
-        if (c + KW >= chunks) break;
-        if (c + 2 * KW < chunks) load_chunk(even, q, s, rows, row_scales, x, tokens, c + 2 * KW, group_shift);
-        compute_chunk(acc, odd, x, tokens, c + KW, mask);
+    // DEPTH chunks in registers, a ring: the loads of the next DEPTH - 1 are in flight while one is computed.
+    Chunk ring[DEPTH];
+#pragma unroll
+    for (int d = 0; d < DEPTH - 1; ++d)
+        if (warp + d * KW < chunks) load_chunk(ring[d], q, s, rows, row_scales, x, tokens, warp + d * KW, group_shift);
+    for (int first_chunk = warp; first_chunk < chunks; first_chunk += DEPTH * KW) {
+#pragma unroll
+        for (int d = 0; d < DEPTH; ++d) {
+            const int c = first_chunk + d * KW;
+            if (c >= chunks) break;
+            const int ahead = c + (DEPTH - 1) * KW;
+            if (ahead < chunks)
+                load_chunk(ring[(d + DEPTH - 1) % DEPTH], q, s, rows, row_scales, x, tokens, ahead, group_shift);
+            compute_chunk(acc, ring[d], x, tokens, c, mask);
+        }
     }
 
     // The warps' sums meet in warp 0, added in warp order.
@@ -231,6 +248,12 @@ w4a16_mma(const uint4* __restrict__ q, const u16* __restrict__ s, const uint4* _
                 if (row < n && token < batch) {
                     u16 rounded;
                     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(rounded) : "f"(sum));
+#if RESIDUAL
+                    const u16 r = residual[static_cast<size_t>(token) * r_row + row];
+                    const float total = __fadd_rn(__uint_as_float(static_cast<u32>(r) << 16),
+                                                  __uint_as_float(static_cast<u32>(rounded) << 16));
+                    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(rounded) : "f"(total));
+#endif
                     y[static_cast<size_t>(token) * y_row + row] = rounded;
                 }
             }
