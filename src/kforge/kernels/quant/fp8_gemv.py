@@ -175,7 +175,7 @@ def cuda_variant(n: int, batch: int, sms: int) -> tuple[int, int, bool, int]:
     blocks an SM its registers are capped for.
 
     At up to 8 tokens (one n-tile), measured on the H200 (one token, eight calls in a CUDA graph at
-    the Llama-3-8B widths; benchmarks/results/nvidia-h200/fp8-gemv-one-token.txt):
+    the Llama-3-8B widths; nvidia-h200/gemv-one-token.txt):
     - x ahead over 8 warps, 2 blocks an SM, where the grid (one block per 16 rows) is one wave at 2
       blocks an SM: 4096 x 4096 7.24-7.54 us against 7.65-7.95, 4096 x 14336 17.8-18.3 against
       19.0-20.3. At 6144 rows that grid is 1.45 waves and lost (11.1 against 9.7).
