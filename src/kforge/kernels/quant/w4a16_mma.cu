@@ -54,9 +54,6 @@
 #ifndef DEPTH
 #define DEPTH 2  // chunks a warp holds in registers: DEPTH - 1 loading while one is computed
 #endif
-#ifndef MINB
-#define MINB 0  // > 0: blocks an SM that __launch_bounds__ asks ptxas to make room for (registers)
-#endif
 #ifndef RESIDUAL
 #define RESIDUAL 0  // 1: y = residual + y, the residual add that follows the down projection in a decode step
 #endif
@@ -178,12 +175,7 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[MT][NT][4], const Chu
 }
 
 // Strides in the pointers' units: uint4 for q's and x's rows, u16 for s's and y's.
-#if MINB > 0
-#define W4A16_MMA_BOUNDS __launch_bounds__(KW * 32, MINB)
-#else
-#define W4A16_MMA_BOUNDS __launch_bounds__(KW * 32)
-#endif
-extern "C" __global__ void W4A16_MMA_BOUNDS
+extern "C" __global__ void __launch_bounds__(KW * 32)
 w4a16_mma(const uint4* __restrict__ q, const u16* __restrict__ s, const uint4* __restrict__ x,
           u16* __restrict__ y, const u16* __restrict__ residual, int n, int batch, int chunks, int group_shift,
           int q_row, int s_row, int x_row, int y_row, int r_row) {
