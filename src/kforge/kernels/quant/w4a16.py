@@ -567,19 +567,17 @@ def cuda_mma_fits(x: torch.Tensor, qweight: torch.Tensor, group: int) -> bool:
 
 def launch_cuda_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int, y: torch.Tensor, *,
                     m_tiles: int | None = None, k_warps: int | None = None, x_ahead: bool | None = None,
-                    depth: int | None = None, residual: torch.Tensor | None = None,
-                    biased: bool = False) -> None:
+                    depth: int | None = None, residual: torch.Tensor | None = None) -> None:
     """y (M, N) on `w4a16_mma.cu` for operands that `cuda_mma_fits`; `m_tiles`, `k_warps`, `x_ahead`
     and `depth` pick its MT, KW, XPF and DEPTH (default: `mma_variant`), NT follows M; `residual`
     (M, N) bf16 with contiguous rows is added in the store (the RESIDUAL build). A plan per shape and
     strides keeps the lean launch with its scalar arguments: a call passes the five pointers."""
     r_row = None if residual is None else residual.stride(0)
     key = (x.shape, qweight.shape[0], group, x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), r_row,
-           x.device.index, m_tiles, k_warps, x_ahead, depth, biased)
+           x.device.index, m_tiles, k_warps, x_ahead, depth)
     plan = _MMA_PLANS.get(key)
     if plan is None:
-        plan = _MMA_PLANS[key] = _mma_plan(x, qweight, scales, group, y, m_tiles, k_warps, x_ahead, depth, r_row,
-                                           biased)
+        plan = _MMA_PLANS[key] = _mma_plan(x, qweight, scales, group, y, m_tiles, k_warps, x_ahead, depth, r_row)
     launch, index, scalars = plan
     launch(torch._C._cuda_getCurrentRawStream(index), qweight.data_ptr(), scales.data_ptr(), x.data_ptr(),
            y.data_ptr(), 0 if residual is None else residual.data_ptr(), *scalars)
@@ -588,7 +586,7 @@ def launch_cuda_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 _MMA_PLANS: dict[tuple, tuple] = {}
 
 
-def _mma_plan(x, qweight, scales, group, y, m_tiles, k_warps, x_ahead, depth, r_row, biased) -> tuple:
+def _mma_plan(x, qweight, scales, group, y, m_tiles, k_warps, x_ahead, depth, r_row) -> tuple:
     """(lean launch, device index, the scalar arguments) of `w4a16_mma.cu` for one shape."""
     batch, k = x.shape
     n = qweight.shape[0]
@@ -600,15 +598,14 @@ def _mma_plan(x, qweight, scales, group, y, m_tiles, k_warps, x_ahead, depth, r_
     if shared > MMA_SHARED_LIMIT:
         raise ValueError(f"w4a16_mma.cu with MT={m_tiles}, NT={n_tiles}, KW={k_warps} needs {shared} bytes of "
                          f"shared memory, over {MMA_SHARED_LIMIT}")
-    variant = ("mma", m_tiles, n_tiles, k_warps, x_ahead, depth, r_row is not None, biased)
+    variant = ("mma", m_tiles, n_tiles, k_warps, x_ahead, depth, r_row is not None)
     kernel = _CUDA_LAUNCHES.get(variant)
     if kernel is None:
         from kforge.runtime.cuda import CudaKernel
 
         kernel = _CUDA_LAUNCHES[variant] = CudaKernel.from_file(
             MMA_SOURCE, "w4a16_mma", defines={"MT": m_tiles, "NT": n_tiles, "KW": k_warps, "XPF": int(x_ahead),
-                                              "DEPTH": depth, "RESIDUAL": int(r_row is not None),
-                                              "BIASED": int(biased)})
+                                              "DEPTH": depth, "RESIDUAL": int(r_row is not None)})
     index = x.device.index
     launch = kernel.lean(triton.cdiv(n, 16 * m_tiles), 32 * k_warps, index, kinds=MMA_KINDS)
     scalars = (n, batch, k // 128, (group // 128).bit_length() - 1, qweight.stride(0) // 16, scales.stride(0),

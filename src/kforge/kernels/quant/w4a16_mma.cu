@@ -60,26 +60,17 @@
 #ifndef XPF
 #define XPF 0  // 1: x loaded a chunk ahead with W (registers) instead of when the chunk is computed
 #endif
-#ifndef BIASED
-#define BIASED 0  // 1: the weights enter the mma as 136 + q, the bias removed by one mma a step (nibble_pair)
-#endif
 
 #include "gemv_common.cuh"
 
-// nibbles i and i + 4 of a word shifted down by 4i, as two bf16: (nibble ^ 8) | 0x4300 is 128 + u =
-// 136 + q (one LOP3 with the XOR folded in). BIASED 0 subtracts 136 here (x * 1 - 136, one HFMA2 a
-// pair); BIASED 1 leaves it to the mma: the chunk's sums are of (136 + q) x, and one more mma a k16
-// step, A all -136, adds -136 sum(x) (see compute_chunk). `mask` is 0x000F000F, passed in a register:
-// LOP3 takes one immediate, and ptxas would otherwise rebuild the constant every time.
+// nibbles i and i + 4 of a word shifted down by 4i, as two bf16 q: (nibble ^ 8) | 0x4300 is 128 + u
+// (one LOP3 with the XOR folded in), and x * 1 - 136 leaves q. `mask` is 0x000F000F, passed in a
+// register: LOP3 takes one immediate, and ptxas would otherwise rebuild the constant every time.
 __device__ __forceinline__ u32 nibble_pair(u32 shifted, u32 mask) {
     const u32 biased = (shifted & mask) ^ 0x43084308u;
-#if BIASED
-    return biased;
-#else
     u32 q;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(q) : "r"(biased), "r"(0x3F803F80u), "r"(0xC308C308u));
     return q;
-#endif
 }
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 selector) {
@@ -142,10 +133,6 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[MT][NT][4], const Chu
         for (int j = 0; j < NT; ++j) xs[w][j] = __ldg(x + (tokens[j] + 16 * c) + w);
 #endif
     float part[MT][NT][4];
-#if BIASED
-    float bias[NT][4];  // -136 sum(x) over the chunk, a token a column (the same in every row)
-    const u32 minus_136[4] = {0xC308C308u, 0xC308C308u, 0xC308C308u, 0xC308C308u};
-#endif
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
 #pragma unroll
@@ -156,13 +143,6 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[MT][NT][4], const Chu
                 const u32 low = p == 0 ? xs[w][j].x : xs[w][j].y, high = p == 0 ? xs[w][j].z : xs[w][j].w;
                 b[j][0] = prmt(low, high, 0x5410);  // (k 2p, k 2p + 4)
                 b[j][1] = prmt(low, high, 0x7632);  // (k 2p + 1, k 2p + 5)
-#if BIASED
-                if (w == 0 && p == 0) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) bias[j][e] = 0.0f;
-                }
-                mma_bf16(bias[j], minus_136, b[j][0], b[j][1]);
-#endif
             }
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
@@ -186,10 +166,6 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[MT][NT][4], const Chu
         const float row_g8 = __uint_as_float(static_cast<u32>(chunk.scales[i][1]) << 16);
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-#if BIASED
-#pragma unroll
-            for (int e = 0; e < 4; ++e) part[i][j][e] += bias[j][e];
-#endif
             acc[i][j][0] = fmaf(part[i][j][0], row_g, acc[i][j][0]);
             acc[i][j][1] = fmaf(part[i][j][1], row_g, acc[i][j][1]);
             acc[i][j][2] = fmaf(part[i][j][2], row_g8, acc[i][j][2]);
