@@ -234,13 +234,9 @@ fp8_gemv(const uint4* __restrict__ q, const float* __restrict__ s, const uint4* 
                 for (int w = 0; w < KW - 1; ++w) sum += others[w][(i * NT + j) * 4 + e][lane];
                 const int row = first + 16 * i + g + 8 * (e / 2), token = 8 * j + 2 * t + e % 2;
                 if (row < n && token < batch) {
-                    u16 rounded;
-                    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(rounded) : "f"(sum));
+                    u16 rounded = round_bf16(sum);
 #if RESIDUAL
-                    const u16 r = residual[static_cast<size_t>(token) * r_row + row];
-                    const float total = __fadd_rn(__uint_as_float(static_cast<u32>(r) << 16),
-                                                  __uint_as_float(static_cast<u32>(rounded) << 16));
-                    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(rounded) : "f"(total));
+                    rounded = add_residual_bf16(residual[static_cast<size_t>(token) * r_row + row], rounded);
 #endif
                     y[static_cast<size_t>(token) * y_row + row] = rounded;
                 }

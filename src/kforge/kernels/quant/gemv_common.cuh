@@ -1,5 +1,5 @@
-// What the 4-bit GEMV kernels (nvfp4_gemv.cu, w4a16_gemv.cu) share: the streaming loads and the
-// end of a warp's row sums.
+// What the weight-only GEMV kernels (nvfp4_gemv.cu, w4a16_gemv.cu, w4a16_mma.cu, fp8_gemv.cu) share: the
+// streaming loads, the bf16 store (with the residual add), the end of a warp's row sums.
 
 #pragma once
 
@@ -18,6 +18,19 @@ __device__ __forceinline__ u16 load_once(const u16* p) {
     u16 v;
     asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
     return v;
+}
+
+// `sum` rounded to bf16 (its bits), and with RESIDUAL the residual's bf16 `r` added as the unfused pair
+// adds it: the rounded product and r summed in fp32 (torch's bf16 add), rounded once more.
+__device__ __forceinline__ u16 round_bf16(float sum) {
+    u16 rounded;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(rounded) : "f"(sum));
+    return rounded;
+}
+
+__device__ __forceinline__ u16 add_residual_bf16(u16 r, u16 rounded) {
+    return round_bf16(__fadd_rn(__uint_as_float(static_cast<u32>(r) << 16),
+                                __uint_as_float(static_cast<u32>(rounded) << 16)));
 }
 
 // A warp's sums of its ROWS rows, each completed across the lanes in a butterfly of shuffles.

@@ -102,12 +102,9 @@ w4a16_gemv(const uint4* __restrict__ q, const u16* __restrict__ s, const uint4* 
     }
     float sum;
     if (warp_row_sums<ROWS>(acc, &sum) && first + lane < n) {
-        u16 rounded;
-        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(rounded) : "f"(sum * Y_UNIT));
+        u16 rounded = round_bf16(sum * Y_UNIT);
 #if RESIDUAL
-        const float total = __fadd_rn(__uint_as_float(static_cast<u32>(residual[first + lane]) << 16),
-                                      __uint_as_float(static_cast<u32>(rounded) << 16));
-        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(rounded) : "f"(total));
+        rounded = add_residual_bf16(residual[first + lane], rounded);
 #endif
         y[first + lane] = rounded;
     }
