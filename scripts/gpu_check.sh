@@ -193,7 +193,10 @@ if [[ $parts == *" profile-quant-gemv "* ]]; then
   ncu -i "$out/quant-gemv.ncu-rep" --page raw --csv \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" > "$out/profile-quant-gemv-stalls.csv" 2>&1
   ncu -i "$out/quant-gemv.ncu-rep" --page details > "$out/profile-quant-gemv.txt" 2>&1
-  grep -E "nvfp4_gemv|w4a16_gemv|w4a16_mma|fp8_gemv|read_stream|Duration|Memory Throughput|DRAM Throughput|Issue Slots|Executed Ipc A|Registers|Achieved Occupancy|Theoretical Occupancy|No Eligible|Eligible Warps" "$out/profile-quant-gemv.txt" | head -80
+  kernels="nvfp4_gemv|w4a16_gemv|w4a16_mma|fp8_gemv|read_stream"
+  metrics="Duration|Memory Throughput|DRAM Throughput|Issue Slots|Executed Ipc A|Registers|Achieved Occupancy"
+  metrics+="|Theoretical Occupancy|No Eligible|Eligible Warps"
+  grep -E "$kernels|$metrics" "$out/profile-quant-gemv.txt" | head -130
 fi
 if [[ $parts == *" profile-gemm "* ]]; then
   ncu --clock-control none --profile-from-start off --set full -f -o "$out/gemm-4096" \

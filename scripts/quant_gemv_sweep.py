@@ -12,9 +12,9 @@ bulk-copy engine) in each ROWS x CONSUMERS x STAGES variant, timed only if its o
 `w4a16_gemv.cu`'s bit for bit. % of copy is on the packed bytes (codes and scales) against a
 copy measured in the same run. `w4a16-batch` times 2 to 32 tokens: `w4a16_mma.cu` in each
 MT x KW variant against the Triton tensor-core path it replaces and cuBLAS on the dequantized W.
-W4A16 also shows the bf16 GEMVs on the same weights (cuBLAS and kforge's
-`gemv`), and both the 4-bit and the bf16 CUDA kernels as a decode step runs them: eight
-calls on eight weights back to back in one CUDA graph, per call.
+W4A16 also shows `w4a16_matmul` itself (the kernel `one_token_kernel` names for the width) and
+the bf16 GEMVs on the same weights (cuBLAS and kforge's `gemv`), and both as a decode step runs
+them: eight calls on eight weights back to back in one CUDA graph, per call.
 """
 
 import kforge  # noqa: F401  (before triton)
@@ -96,6 +96,8 @@ def sweep_w4a16(copy_gbps, stream, sink, blocks):
                "kforge bf16 gemv (gemv_rows.cu)": lambda: gemv(x, w)}
         tile = {"path": "gemv", "BLOCK_N": 8, "BLOCK_KW": 512, "num_warps": 4}
         fns["Triton w4a16 (8, 512, 4 warps)"] = lambda: w4a16.w4a16_matmul(x, qweight, scales, config=tile)
+        taken = w4a16.one_token_kernel(n, k)  # w4a16_matmul's kernel for one token here
+        fns[f"w4a16_matmul (takes {taken})"] = lambda: w4a16.w4a16_matmul(x, qweight, scales)
         for rows, warps in VARIANTS:
             y = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
 
@@ -104,7 +106,7 @@ def sweep_w4a16(copy_gbps, stream, sink, blocks):
 
             call()
             name = f"CUDA w4a16 ROWS={rows} WARPS={warps}" + (
-                " (default)" if (rows, warps) == w4a16.cuda_variant(n) and not w4a16.bulk_is_faster(n, k) else "")
+                " (default)" if (rows, warps) == w4a16.cuda_variant(n) and taken == "gemv" else "")
             admit(fns, name, call, y, want, 2e-2)
         reference = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
         w4a16.launch_cuda_gemv(x, qweight, scales, 128, reference)
@@ -118,7 +120,7 @@ def sweep_w4a16(copy_gbps, stream, sink, blocks):
 
             call()
             name = f"CUDA w4a16 bulk ROWS={rows} CONSUMERS={consumers} STAGES={stages}" + (
-                " (default)" if (rows, consumers, stages) == (2, 4, 4) and w4a16.bulk_is_faster(n, k) else "")
+                " (default)" if (rows, consumers, stages) == (2, 4, 4) and taken == "bulk" else "")
             if torch.equal(y, reference):  # the same sums in the same order as w4a16_gemv.cu
                 fns[name] = call
             else:
@@ -130,8 +132,7 @@ def sweep_w4a16(copy_gbps, stream, sink, blocks):
         report(median_ms(fns, ROUNDS, sleep_cycles=1_000_000), nbytes, copy_gbps)
         packed = [w4a16_inputs(n, k)[1:] for _ in range(GRAPHED)]
         dense = [torch.randn(n, k, device="cuda").bfloat16() for _ in range(GRAPHED)]
-        out = torch.empty(1, n, dtype=torch.bfloat16, device="cuda")
-        graphed = {"CUDA w4a16 (default)": lambda: [w4a16.launch_cuda_gemv(x, q, s, 128, out) for q, s in packed],
+        graphed = {f"w4a16_matmul (takes {taken})": lambda: [w4a16.w4a16_matmul(x, q, s) for q, s in packed],
                    "kforge bf16 gemv": lambda: [gemv(x, d) for d in dense],
                    "cuBLAS bf16": lambda: [torch.nn.functional.linear(x, d) for d in dense]}
         report_graphed(graphed, nbytes, copy_gbps, "packed")

@@ -508,9 +508,12 @@ def test_the_one_token_cuda_kernel_in_every_variant_group_and_odd_shape(monkeypa
     before = len(calls)
     assert_matches(w4a16_matmul(x[0], padded[:, :512], scales), x[0], qweight, scales, 128)
     assert len(calls) == before + 1
+    mma_calls = []
+    real_mma = w4a16.launch_cuda_mma
+    monkeypatch.setattr(w4a16, "launch_cuda_mma", lambda *args, **kw: mma_calls.append(args) or real_mma(*args, **kw))
     x2, qweight, scales = _inputs(2, 300, 1024, 128, "cuda")
     assert_matches(w4a16_matmul(x2, qweight, scales), x2, qweight, scales, 128)
-    assert len(calls) == before + 1, "two rows take w4a16_mma.cu"
+    assert len(calls) == before + 1 and len(mma_calls) == 1, "two rows take w4a16_mma.cu"
 
 
 @pytest.mark.gpu

@@ -49,9 +49,9 @@ dequantized onto the bf16 GEMM so that x is never quantized at any batch (`model
 Measured on the H100 (`scripts/fp8_gemv_sweep.py`, every variant against the bf16 GEMV on the
 dequantized W and a read stream of the same bytes): at one token 44.7 us at N = 28672, K = 4096
 (85% of copy; the bf16 GEMV 79.8 us), 10.7 us at 4096 x 4096 (launch-bound: a read stream of
-the same bytes takes 10.2 us). On the H200 at one token, eight calls in a CUDA graph: 33.0 us at
-28672 x 4096 (3.56 TB/s, 84% of a read stream of the same bytes), 7.2 us at 4096 x 4096 (the read
-stream 6.8). `cuda_variant` holds the choices the sweeps made.
+the same bytes takes 10.2 us). On the H200 at one token, eight calls in a CUDA graph: 33.0-33.1 us
+at 28672 x 4096 (3.55 TB/s, 84-85% of a read stream of the same bytes), 7.2-7.6 us at 4096 x 4096
+(the read stream 6.8). `cuda_variant` holds the choices the sweeps made.
 """
 
 from __future__ import annotations
@@ -174,18 +174,20 @@ def cuda_variant(n: int, batch: int, sms: int) -> tuple[int, int, bool, int]:
     m-tiles a warp, warps a block (splitting K), whether x is loaded a chunk ahead with W, and the
     blocks an SM its registers are capped for.
 
-    At up to 8 tokens (one n-tile), measured on the H200 (one token, eight calls in a CUDA graph at
-    the Llama-3-8B widths; nvidia-h200/gemv-one-token.txt):
+    At up to 8 tokens (one n-tile), chosen on the H200 at one token (eight calls in a CUDA graph at
+    the Llama-3-8B widths; nvidia-h200/gemv-one-token.txt, three runs):
     - x ahead over 8 warps, 2 blocks an SM, where the grid (one block per 16 rows) is one wave at 2
-      blocks an SM: 4096 x 4096 7.24-7.54 us against 7.65-7.95, 4096 x 14336 17.8-18.3 against
-      19.0-20.3. At 6144 rows that grid is 1.45 waves and lost (11.1 against 9.7).
-    - over 8192 rows, x ahead over 2 warps, 6 blocks an SM: 28672 x 4096 33.0 against 35.1, 14336 x
-      4096 18.0 against 20.9.
-    - otherwise one m-tile over 8 warps, x loaded when its chunk is computed, 3 blocks an SM (the
-      H100's choice at every width: `scripts/fp8_gemv_sweep.py`, fp8-gemv-sweep.txt).
-    At 16 tokens (two n-tiles) two m-tiles a warp over four warps, x ahead, 2 blocks an SM came
-    within 9% of the best everywhere on the H100 (28.3 us against 38.0 at N = 14336); batches 9-15
-    take it too, not measured between."""
+      blocks an SM: 4096 x 4096 7.2-7.6 us against 7.6-8.0 (the last run a tie), 4096 x 14336
+      17.8-18.3 against 19.0-20.3. At 6144 rows that grid is 1.45 waves and lost (11.1 against 9.7).
+    - over 8192 rows, x ahead over 2 warps, 6 blocks an SM: 28672 x 4096 33.0-33.1 against 35.1,
+      14336 x 4096 18.0 against 20.9.
+    - otherwise one m-tile over 8 warps, x loaded when its chunk is computed, 3 blocks an SM.
+    The H100 (also 132 SMs) gets the same; its own sweep (`scripts/fp8_gemv_sweep.py`,
+    fp8-gemv-sweep.txt) had put the last variant within 9% of the best at every width and was not
+    repeated. Batches 2-8 follow the one-token choice, not timed apart. At 16 tokens (two n-tiles)
+    two m-tiles a warp over four warps, x ahead, 2 blocks an SM came within 9% of the best
+    everywhere on the H100 (28.3 us against 38.0 at N = 14336); batches 9-15 take it too, not
+    measured between."""
     if batch > 8:
         return (2, 4, True, 2)
     if n <= 2 * sms * 16:
@@ -225,7 +227,8 @@ def _cuda_plan(x, q, scale, y, m_tiles, k_warps, x_ahead, min_blocks, r_row) -> 
     batch, k = x.shape
     n = q.shape[0]
     if None in (m_tiles, k_warps, x_ahead, min_blocks):
-        default_mt, default_kw, default_xpf, default_minb = cuda_variant(n, batch, _sm_count(x.device.index))
+        sms = _sm_count(x.device.index) if batch <= 8 else 0  # (the rule above 8 tokens needs no device)
+        default_mt, default_kw, default_xpf, default_minb = cuda_variant(n, batch, sms)
         m_tiles, k_warps, min_blocks = m_tiles or default_mt, k_warps or default_kw, min_blocks or default_minb
         x_ahead = default_xpf if x_ahead is None else x_ahead
     n_tiles = triton.cdiv(batch, 8)

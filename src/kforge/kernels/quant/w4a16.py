@@ -523,7 +523,7 @@ def mma_variant(n: int, batch: int) -> tuple[int, int, bool, int]:
 
     One token (H200, eight calls in a CUDA graph; nvidia-h200/gemv-one-token.txt):
     one m-tile over 8 warps, x ahead, three chunks held: 4096 x 4096 6.1-6.3 us, 4096 x 14336
-    13.4-13.8 (three runs); over 16384 rows two m-tiles over 4 warps, two chunks: 28672 x 4096
+    13.4-13.8 (three runs); from 16384 rows two m-tiles over 4 warps, two chunks: 28672 x 4096
     21.4-22.3 us.
     2 to 32 tokens: the fastest measured on the H100 at N x K = 4096 x 4096, 14336 x 4096, 4096 x
     14336, 28672 x 4096 and batches 2, 3, 8, 16, 32 (scripts/quant_gemv_sweep.py w4a16-batch; at
@@ -543,11 +543,13 @@ def mma_variant(n: int, batch: int) -> tuple[int, int, bool, int]:
 def one_token_kernel(n: int, k: int) -> str:
     """Which CUDA kernel takes one token of an N x K weight: "mma" (`w4a16_mma.cu`), "bulk"
     (`w4a16_gemv_bulk.cu`) or "gemv" (`w4a16_gemv.cu`), by the H200's measurements (eight calls in
-    a CUDA graph, `mma_variant`'s figures): the mma kernel at 4096 rows (6.1-6.3 us against 6.5 at
-    K 4096, 13.4-13.8 against 14.7-14.8 at K 14336) and over 16384 (28672 x 4096: 21.4-22.3 against
-    the bulk kernel's 23.5); at 6144 and 14336 rows the one-token kernels were as fast (7.6 against
-    7.7-7.8, 13.3 against 13.4) and keep them, the bulk-fed kernel where `bulk_is_faster`. The caller
-    checks that the kernel takes the operands."""
+    a CUDA graph, `mma_variant`'s figures): the mma kernel up to 4096 rows (measured at 4096: 6.1-6.3
+    us against 6.5 at K 4096, 13.4-13.8 against 14.7-14.8 at K 14336) and from 16384 (28672 x 4096:
+    21.4-22.3 against the bulk kernel's 23.5); at 6144 and 14336 rows the one-token kernels were as
+    fast (7.6 against the mma kernel's 7.6-7.8, 13.3 against 13.4) and keep them, the bulk-fed kernel
+    where `bulk_is_faster`. Not re-measured on the H100, where the bulk kernel had been chosen at
+    28672 x 4096 (25.6 us) and the mma kernel never timed at one token. The caller checks that the
+    kernel takes the operands."""
     if n <= 4096 or n >= 16384:
         return "mma"
     return "bulk" if bulk_is_faster(n, k) else "gemv"
