@@ -148,14 +148,7 @@ CUDA_KINDS = ("ptr",) * 5 + ("i32",) * 8
 CUDA_SHARED_LIMIT = 48 * 1024  # the cross-warp sums are static shared memory
 _CUDA_KERNELS: dict[tuple, object] = {}
 _CUDA_PLANS: dict[tuple, tuple] = {}
-_SM_COUNT: dict[int, int] = {}
 _CAPABILITY: dict[int, tuple[int, int]] = {}  # by device index (a query costs microseconds a call)
-
-
-def _sm_count(index: int) -> int:
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 def capability(index: int) -> tuple[int, int]:
@@ -227,7 +220,8 @@ def _cuda_plan(x, q, scale, y, m_tiles, k_warps, x_ahead, min_blocks, r_row) -> 
     batch, k = x.shape
     n = q.shape[0]
     if None in (m_tiles, k_warps, x_ahead, min_blocks):
-        sms = _sm_count(x.device.index) if batch <= 8 else 0  # (the rule above 8 tokens needs no device)
+        # (once a plan: the plans are cached; the rule above 8 tokens needs no device)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if batch <= 8 else 0
         default_mt, default_kw, default_xpf, default_minb = cuda_variant(n, batch, sms)
         m_tiles, k_warps, min_blocks = m_tiles or default_mt, k_warps or default_kw, min_blocks or default_minb
         x_ahead = default_xpf if x_ahead is None else x_ahead
