@@ -7,6 +7,7 @@ judge runs every candidate for real, and only the clocks of the timed calls are 
 """
 
 import itertools
+import re
 
 import pytest
 from conftest import FIXTURES, scripted_timing
@@ -99,7 +100,10 @@ def test_samples_learn_from_feedback_stop_once_passed_and_resume_without_asking_
     compile_error = s0[0]["feedback"]
     assert "fused_add" in compile_error and "line 22, in forward" in compile_error
     wrong = s0[1]["feedback"]
-    assert "Gate 1 (correct) failed" in wrong and "max abs error" in wrong and "100% of elements outside" in wrong
+    assert "Gate 1 (correct) failed" in wrong and "max abs error" in wrong
+    # a - b for a + b: wrong wherever |2b| exceeds the tolerance, which a few random b near zero do not
+    outside = re.search(r"([\d.]+)% of elements outside atol", wrong)
+    assert outside and 99 <= float(outside[1]) <= 100, wrong
     assert "decided by the elementwise test" in wrong
     slow = s0[2]["feedback"]
     assert "Gate 1 (correct): passed" in slow and "speedup 0.5" in slow and "Verdict: slower." in slow
