@@ -6,6 +6,7 @@ with no GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import re
@@ -74,6 +75,21 @@ def current_device(kind: str | None = None) -> DeviceInfo:
             memory_bytes=_host_memory_bytes(),
         )
     raise ValueError(f"unknown device kind {kind!r} (expected 'cuda' or 'cpu')")
+
+
+def sm_count(device: torch.device | int) -> int:
+    """The SM count of a CUDA device (`torch.device` or index), read once per device: persistent
+    grids launch a program an SM and split plans fill the SMs in waves, on every call."""
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"sm_count needs a CUDA device, not {device}")
+        device = torch.cuda.current_device() if device.index is None else device.index
+    return _sm_count(device)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def library_versions() -> dict[str, str | None]:

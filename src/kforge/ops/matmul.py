@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from kforge.device import sm_count
+
 
 def best_kernel(m: int, n: int, k: int, sms: int = 132) -> tuple[int, dict[str, int]]:
     """Which rung and variant for an M x N x K product on `sms` SMs, from H100 device time
@@ -52,11 +54,6 @@ def best_kernel(m: int, n: int, k: int, sms: int = 132) -> tuple[int, dict[str, 
     if n >= 32768 and k <= 1024 and tiles >= 2 * sms:  # (a cluster pairs two row tiles)
         return 5, {}
     return 4, {}
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.cache
@@ -96,7 +93,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     layout = _layout(b)
     index = a.device.index
-    choice = choose(a.shape[0], b.shape[1], a.shape[1], layout, _device_name(index), _sm_count(index))
+    choice = choose(a.shape[0], b.shape[1], a.shape[1], layout, _device_name(index), sm_count(index))
     if choice is None:  # the dispatch table measured cuBLAS faster here, or a few rows with no entry (kforge.tune)
         return torch.matmul(a, b)
     step, defines = choice

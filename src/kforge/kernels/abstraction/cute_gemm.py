@@ -47,6 +47,8 @@ from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fak
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from kforge.device import sm_count
+
 TILE_M, TILE_N, TILE_K = 128, 256, 64  # a CTA's tile of C, and the k-depth of one ring stage
 STAGES = 4  # (227 KB - 32 KB staging - 1 KB barriers) // 48 KB a stage
 EPILOGUE_TILE = (TILE_M, 32)  # one TMA store; a C tile is 8 of them
@@ -276,7 +278,6 @@ def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if c.numel():
         stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
         if (m, n, k) not in _ON_DEVICE:
-            sm_count = torch.cuda.get_device_properties(a.device).multi_processor_count
-            _ON_DEVICE[(m, n, k)] = compiled_for(a, b, c, sm_count, stream)
+            _ON_DEVICE[(m, n, k)] = compiled_for(a, b, c, sm_count(a.device), stream)
         _ON_DEVICE[(m, n, k)](*operands(a, b, c), stream)
     return c

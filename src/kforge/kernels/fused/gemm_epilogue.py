@@ -57,6 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.device import sm_count
+
 # Importing triton_matmul also installs the scratch allocator that device-built TMA
 # descriptors need (triton.set_allocator).
 from kforge.kernels.gemm_bf16 import epilogue_reference
@@ -245,16 +247,6 @@ def launch_gemm_epilogue(x, weight, bias, activation, residual, up_weight, confi
         gemm_epilogue_kernel[(programs,)](*operands, NUM_PROGRAMS=programs, **blocks, **mode,
                                           num_stages=config.get("num_stages", 3), num_warps=config.get("num_warps", 4))
     return c.view(*x.shape[:-1], n)
-
-
-_SM_COUNT: dict[torch.device, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """The device's SM count (one persistent program each), looked up once per device."""
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
 
 
 def gemm_epilogue_reference(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None,

@@ -27,8 +27,9 @@ import functools
 
 import torch
 
+from kforge.device import sm_count
 from kforge.kernels import gemm_bf16
-from kforge.kernels.fused.gemm_epilogue import check_gemm_epilogue_inputs, gemm_epilogue, sm_count
+from kforge.kernels.fused.gemm_epilogue import check_gemm_epilogue_inputs, gemm_epilogue
 from kforge.ops.matmul import best_kernel
 
 

@@ -41,8 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.device import sm_count
+
 # Importing it also installs the scratch allocator for device-built TMA descriptors.
-from kforge.kernels.fused.gemm_epilogue import DTYPES, INTERPRETER_PROGRAMS, SHARED_LIMIT, sm_count
+from kforge.kernels.fused.gemm_epilogue import DTYPES, INTERPRETER_PROGRAMS, SHARED_LIMIT
 
 INTERPRETER_CONFIG = {"BM": 16, "BN": 32, "BK": 32, "FLATTEN": False}
 MERGE_ROWS = 64  # rows per program of the merge

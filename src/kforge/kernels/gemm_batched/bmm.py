@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.device import sm_count
+
 DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -79,7 +81,6 @@ INTERPRETER_CONFIG = {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 2, "FLATTEN": Fal
 INTERPRETER_PROGRAMS = 4
 # Each shape's pick, once tuned: later calls launch it directly, without the autotuner's dispatch.
 _TUNED: dict[tuple, dict] = {}
-_SMS: dict[torch.device, int] = {}
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -135,11 +136,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, *, config: dict | None = None) -> torc
 
 
 def _programs(device: torch.device) -> int:
-    """One program per SM (INTERPRETER_PROGRAMS under the interpreter), looked up once per device."""
-    if device not in _SMS:
-        _SMS[device] = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
-                        else INTERPRETER_PROGRAMS)
-    return _SMS[device]
+    """One program per SM (INTERPRETER_PROGRAMS under the interpreter)."""
+    return sm_count(device) if device.type == "cuda" else INTERPRETER_PROGRAMS
 
 
 def bmm_flops(batch: int, m: int, n: int, k: int) -> int:

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.device import sm_count
+
 
 def _descriptor_scratch(size: int, alignment: int, stream):
     """Global memory for the device-built TMA descriptors of one launch (Triton asks per launch)."""
@@ -112,11 +114,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, b_layout: str = "kn", config: di
     return c
 
 
-_PROGRAMS: dict[torch.device, int] = {}
-
-
 def _programs(device: torch.device) -> int:
-    """One program per SM (4 under the interpreter), looked up once per device."""
-    if device not in _PROGRAMS:
-        _PROGRAMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return _PROGRAMS[device]
+    """One program per SM (4 under the interpreter)."""
+    return sm_count(device) if device.type == "cuda" else 4

@@ -85,6 +85,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.device import sm_count
+
 LOG2E = 1.4426950408889634
 H100_SMS = 132
 PROGRAMS_PER_SM = 2  # sparse prefill's list splits
@@ -645,7 +647,7 @@ def _launch(q, cache_args, fp8_args, block_table, cache_seqlens, head_dim_v: int
         return out, lse
     max_pages = block_table.shape[1]
     rows = s_q * h_q
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else H100_SMS
+    num_sms = sm_count(q.device) if q.is_cuda else H100_SMS
     max_tokens = max_pages * page_size
     plan = plan_mla_decode(batch, rows, max_tokens, num_sms, config, q.element_size())
     m_blocks = triton.cdiv(rows, plan.block_m)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kforge.device import sm_count
 from kforge.kernels.mla.decode import (LOG2E, MAX_COMBINE_BLOCK, _empty, _wave_split, check_mla_inputs,
                                        check_mla_table_values, chunks_for, launch_schedule,
                                        mla_decode_combine_kernel)
@@ -142,7 +143,7 @@ def run_checked(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tens
     rows, max_pages = s_q * h_q, block_table.shape[1]
     max_tokens = max_pages * page_size
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    num_sms = torch.cuda.get_device_properties(index).multi_processor_count
+    num_sms = sm_count(index)
     m_blocks = math.ceil(rows / BLOCK_M)
     chunks = schedule_chunks(batch, rows, max_tokens, num_sms) if split_size is None else 0
     if chunks:  # splits sized on the device from the lengths (decode.py's schedule kernel, one CTA an SM)

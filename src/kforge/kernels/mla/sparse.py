@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.device import sm_count
 from kforge.kernels.mla.decode import (H100_SMS, LOG2E, MAX_COMBINE_BLOCK, PAGE_SIZES, _empty, check_mla_inputs,
                                        check_mla_table_values, mla_decode_combine_kernel, plan_mla_decode)
 
@@ -309,7 +310,7 @@ def launch_sparse_mla(q, q_strides, kv, kv_strides, block_table, cache_seqlens, 
     head_dim_v, topk = out.shape[-1], indices.shape[-1]
     if requests == 0:
         return
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else H100_SMS
+    num_sms = sm_count(q.device) if q.is_cuda else H100_SMS
     # dense decode's plan, with each query token's heads as the rows and its index list as the context
     plan = plan_mla_decode(requests * s_q, h_q, topk, num_sms, config, q.element_size())
     rows = s_q * h_q

@@ -73,6 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.device import sm_count
 from kforge.kernels.mla.decode import DTYPES, H100_SMS, PROGRAMS_PER_SM, _empty
 from kforge.kernels.mla.sparse import INDEX_DTYPES, launch_sparse_mla, select_topk
 
@@ -218,7 +219,7 @@ def index_scores_prefill(q_idx: torch.Tensor, weights: torch.Tensor, k: torch.Te
     scores = _empty((s_q, s_kv), torch.float32, q_idx.device)
     if scores.numel() == 0:
         return scores
-    num_sms = torch.cuda.get_device_properties(q_idx.device).multi_processor_count if q_idx.is_cuda else H100_SMS
+    num_sms = sm_count(q_idx.device) if q_idx.is_cuda else H100_SMS
     plan = plan_prefill_indexer(s_q, s_kv, num_sms, config)
     grid = (triton.cdiv(s_q, plan.block_q), plan.num_splits)
     prefill_indexer_kernel[grid](

@@ -58,6 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.device import sm_count
+
 # Importing triton_matmul also installs the scratch allocator that device-built TMA
 # descriptors need (triton.set_allocator).
 from kforge.kernels.gemm_bf16.triton_matmul import _tile_coords
@@ -231,7 +233,7 @@ def launch_grouped_gemm(x, weight, block_experts, used_rows, gated, row_scale, d
         config = INTERPRETER_CONFIG
     if config is None:
         tuner = gated_autotuned if gated else plain_autotuned
-        programs = _sm_count(x.device)
+        programs = sm_count(x.device)
         tuner[(programs,)](*operands, NUM_PROGRAMS=programs, **mode)
         best = tuner.best_config
         _TUNED[key] = dict(best.kwargs, num_stages=best.num_stages, num_warps=best.num_warps)
@@ -240,19 +242,10 @@ def launch_grouped_gemm(x, weight, block_experts, used_rows, gated, row_scale, d
         raise ValueError(f"the tile height BM = {config['BM']} must divide align = {align}")
     blocks = {name: config[name] for name in ("BM", "BN", "BK", "GROUP_M")}
     blocks["FLATTEN"] = config.get("FLATTEN", False)
-    programs = _sm_count(x.device) if x.is_cuda else INTERPRETER_PROGRAMS
+    programs = sm_count(x.device) if x.is_cuda else INTERPRETER_PROGRAMS
     grouped_gemm_kernel[(programs,)](*operands, NUM_PROGRAMS=programs, **blocks, **mode,
                                      num_stages=config.get("num_stages", 3), num_warps=config.get("num_warps", 4))
     return out
-
-
-_SM_COUNT: dict[torch.device, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
 
 
 def grouped_gemm_reference(x: torch.Tensor, weight: torch.Tensor, block_experts: torch.Tensor,
@@ -578,7 +571,7 @@ def grouped_gemm_layout(x: torch.Tensor, weight: torch.Tensor, groups: torch.Ten
         config = FP8_INTERPRETER_CONFIG if fp8 else LAYOUT_INTERPRETER_CONFIG
     if config is None:
         tuner = _LAYOUT_TUNERS[(gated, fp8)]
-        programs = _sm_count(x.device)
+        programs = sm_count(x.device)
         tuner[(programs,)](*operands, triton.next_power_of_2(m), NUM_PROGRAMS=programs, **mode)
         best = tuner.best_config
         _LAYOUT_TUNED[key] = dict(best.kwargs, num_stages=best.num_stages, num_warps=best.num_warps)
@@ -588,7 +581,7 @@ def grouped_gemm_layout(x: torch.Tensor, weight: torch.Tensor, groups: torch.Ten
     if fp8 and config.get("BK", FP8_BLOCK) != FP8_BLOCK:
         raise ValueError(f"fp8 block scaling needs BK = {FP8_BLOCK} (one scale block a K step), got {config['BK']}")
     blocks = {name: config[name] for name in ("BM", "BN", "BK", "GROUP_M")}
-    programs = _sm_count(x.device) if x.is_cuda else INTERPRETER_PROGRAMS
+    programs = sm_count(x.device) if x.is_cuda else INTERPRETER_PROGRAMS
     grouped_layout_kernel[(programs,)](*operands, triton.next_power_of_2(m), NUM_PROGRAMS=programs, **blocks, **mode,
                                        num_stages=config.get("num_stages", 3), num_warps=config.get("num_warps", 4))
     return out

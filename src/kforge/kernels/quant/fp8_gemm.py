@@ -69,6 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.device import sm_count
 from kforge.kernels.quant.formats import dequantize_fp8
 from kforge.runtime.interpreter import interpreter_active
 
@@ -291,7 +292,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
         config = _TUNED[shape_key]
     if config is None and not a.is_cuda:
         config = INTERPRETER_CONFIG
-    slots = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else INTERPRETER_PROGRAMS
+    slots = sm_count(a.device) if a.is_cuda else INTERPRETER_PROGRAMS
     if config is None:
         fp8_gemm_autotuned[(slots,)](a, b, c, a_scale, b_scale, m, n, k, stride_asm, stride_ask,
                                      triton.next_power_of_2(m), NUM_PROGRAMS=slots, **args)

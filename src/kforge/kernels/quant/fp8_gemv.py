@@ -62,6 +62,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.device import sm_count
+
 MAX_BATCH = 16
 SCALE_BLOCK = 128  # the format's block: 128 x 128 weights a scale
 CODE_DTYPE = torch.float8_e4m3fn
@@ -221,7 +223,7 @@ def _cuda_plan(x, q, scale, y, m_tiles, k_warps, x_ahead, min_blocks, r_row) -> 
     n = q.shape[0]
     if None in (m_tiles, k_warps, x_ahead, min_blocks):
         # (once a plan: the plans are cached; the rule above 8 tokens needs no device)
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if batch <= 8 else 0
+        sms = sm_count(x.device) if batch <= 8 else 0
         default_mt, default_kw, default_xpf, default_minb = cuda_variant(n, batch, sms)
         m_tiles, k_warps, min_blocks = m_tiles or default_mt, k_warps or default_kw, min_blocks or default_minb
         x_ahead = default_xpf if x_ahead is None else x_ahead

@@ -90,6 +90,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.device import sm_count
+
 MAX_BATCH = 32
 GEMV_MAX_BATCH = 2  # CUDA-core path up to here, tensor cores above (see the module docstring)
 GROUP_MULTIPLE = 32  # a lane's 32 k lie in one group
@@ -679,7 +681,7 @@ def launch_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, g
             raise ValueError(f"the tensor-core path needs a group that is a multiple of {MMA_GROUP_MULTIPLE}, "
                              f"got {group}")
         block_n = config["BLOCK_N"]
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else H100_SMS
+        sms = sm_count(x.device) if x.is_cuda else H100_SMS
         splits = config.get("SPLIT_K") or split_k(n, k, block_n, sms)
         out = y if splits == 1 else torch.empty((splits, batch, n), dtype=torch.float32, device=x.device)
         w4a16_mma_kernel[(triton.cdiv(n, block_n), splits)](

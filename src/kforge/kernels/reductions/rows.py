@@ -45,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.device import sm_count
+
 MAX_ROW_IN_REGISTERS = 16384
 CHUNK = 8192
 MIN_TILE = 2048
@@ -82,12 +84,7 @@ def resident_programs(device: torch.device, n_rows: int) -> int:
     """Programs of a persistent two-pass grid: RESIDENT_ROWS_PER_SM an SM (INTERPRETER_SMS off the GPU)."""
     if device.type != "cuda":
         return min(n_rows, RESIDENT_ROWS_PER_SM * INTERPRETER_SMS)
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(n_rows, RESIDENT_ROWS_PER_SM * _SMS[device])
-
-
-_SMS: dict[torch.device, int] = {}
+    return min(n_rows, RESIDENT_ROWS_PER_SM * sm_count(device))
 
 
 def warps_for(tile: int) -> int:

@@ -76,6 +76,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kforge.device import sm_count
 from kforge.kernels.serving.gemv import DTYPES, MAX_BATCH, launch_gemv
 
 DECODE_ROWS = MAX_BATCH  # up to this many rows take the GEMV kernel
@@ -224,7 +225,7 @@ def _prefill_on_ladder(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_we
     from kforge.kernels import gemm_bf16
 
     gamma = norm_weight if norm_weight is not None else torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = sm_count(x.device)
     defines = gemm_bf16.NARROW_TILE if prefill_tile_width(x.shape[0], qkv_weight.shape[0], sms) == 192 \
         else PREFILL_DEFINES
     return gemm_bf16.gemm(x, qkv_weight, 4, b_layout="nk", defines=defines, norm_weight=gamma, norm_eps=eps)
@@ -261,7 +262,7 @@ def _prefill(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weight: torc
              config: dict | None) -> torch.Tensor:
     (m, k), n = x.shape, qkv_weight.shape[0]
     if config is None and n and x.is_cuda and x.dtype == torch.bfloat16 and not fused_fills_half_the_sms(
-            m, n, torch.cuda.get_device_properties(x.device).multi_processor_count):
+            m, n, sm_count(x.device)):
         from kforge import ops
 
         gamma = norm_weight if norm_weight is not None else torch.ones(k, dtype=x.dtype, device=x.device)
@@ -279,14 +280,14 @@ def _prefill(x: torch.Tensor, norm_weight: torch.Tensor | None, qkv_weight: torc
     if config is None and not x.is_cuda:
         config = INTERPRETER_CONFIG
     if config is None:
-        programs = torch.cuda.get_device_properties(x.device).multi_processor_count
+        programs = sm_count(x.device)
         norm_matmul_autotuned[(programs,)](x_desc, w_desc, y, norm_weight, m, n, k, y.stride(0), eps, **args,
                                            NUM_PROGRAMS=programs)
     else:
         blocks = {key: config[key] for key in ("BM", "BN", "BK", "GROUP_M", "FLATTEN")}
         _set_block_shapes({"x_desc": x_desc, "w_desc": w_desc, **blocks})
         tiles = triton.cdiv(m, blocks["BM"]) * triton.cdiv(n, blocks["BN"])
-        slots = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else INTERPRETER_PROGRAMS
+        slots = sm_count(x.device) if x.is_cuda else INTERPRETER_PROGRAMS
         programs = min(slots, tiles)
         norm_matmul_kernel[(programs,)](x_desc, w_desc, y, norm_weight, m, n, k, y.stride(0), eps, **args,
                                         NUM_PROGRAMS=programs, **blocks, num_warps=config.get("num_warps", 4),

@@ -131,6 +131,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kforge.device import sm_count
 from kforge.kernels.serving.paged_kv import check_caches, check_table_values, check_tables
 
 LOG2E = 1.4426950408889634
@@ -426,7 +427,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if batch == 0:
         return out
     max_pages = block_tables.shape[1]
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else H100_SMS
+    num_sms = sm_count(q.device) if q.is_cuda else H100_SMS
     plan = plan_decode(batch, kv_heads, max_pages * page_size, head_dim, q.element_size(), num_sms, config)
     group = q_heads // kv_heads
     counters = None

@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kforge.device import sm_count
 from kforge.kernels.attention.flash_forward import flash_attention_forward
-from kforge.kernels.fused.gemm_epilogue import sm_count
 from kforge.kernels.fused.linear import fused_linear
 from kforge.kernels.gemm_bf16 import gemm
 from kforge.kernels.serving.norms import layer_norm_forward
