@@ -1,6 +1,6 @@
 """The CUDA FlashAttention forward for Hopper (kernels/attention/flash_hopper.cu and .py, its parts in
-hopper_attention.cuh). On any machine: every build (head dim 64/128, causal or not, bf16/fp16, two
-or three consumer warpgroups) compiled for sm_90a, its registers, spills and shared memory, and its key-tile loops read from the
+hopper_attention.cuh). On any machine: every build (head dim 64/128, causal or not, bf16/fp16)
+compiled for sm_90a, its registers, spills and shared memory, and its key-tile loops read from the
 machine code (both products on wgmma, the ping-pong barriers, one exp2 a score, the softmax under the
 P V); the parts compiled alone; the causal tile range checked against a brute force at compile time;
 the wrapper's refusals. On a Hopper GPU: against float64 attention on odd shapes (lengths 1, 127,
@@ -17,24 +17,15 @@ from kforge.kernels.attention.flash_hopper import (check_hopper_inputs, flash_at
 from kforge.kernels.attention.naive import naive_attention
 from kforge.runtime.cuda import CudaCompileError, compile_cuda, resources, sass, sass_loop_instructions
 
-# (head dim, causal, dtype, consumer warpgroups): every build of two consumers, and the bf16 ones of three
-BUILDS = [(d, causal, dtype, consumers) for consumers in flash_hopper.CONSUMERS for d in flash_hopper.HEAD_DIMS
-          for causal in (False, True) for dtype in (torch.bfloat16, torch.float16)
-          if consumers == 2 or dtype == torch.bfloat16]
+BUILDS = [(d, causal, dtype) for d in flash_hopper.HEAD_DIMS for causal in (False, True)
+          for dtype in (torch.bfloat16, torch.float16)]
 PARTS = flash_hopper.SOURCE.with_name("hopper_attention.cuh")
-# setmaxnreg's split of the 64K registers: (producer, each consumer) a thread
-SPLIT = {2: (24, 240), 3: (24, 160)}
+MAX_REGISTERS = 65536 // flash_hopper.THREADS // 8 * 8  # __launch_bounds__(384, 1): 168 a thread at launch
 
 
 def _build_id(build):
-    d, causal, dtype, consumers = build
-    return f"hd{d}-{'causal' if causal else 'full'}-{str(dtype).removeprefix('torch.')}-{consumers}wg"
-
-
-def _compile(build):
-    d, causal, dtype, consumers = build
-    return compile_cuda(flash_hopper.SOURCE, arch="sm_90a", defines=kernel_defines(d, causal, dtype, consumers),
-                        options=flash_hopper.OPTIONS)
+    d, causal, dtype = build
+    return f"hd{d}-{'causal' if causal else 'full'}-{str(dtype).removeprefix('torch.')}"
 
 
 def key_tile_loops(code: str) -> list[list[str]]:
@@ -50,24 +41,19 @@ def key_tile_loops(code: str) -> list[list[str]]:
 @pytest.mark.parametrize("build", BUILDS, ids=_build_id)
 @pytest.mark.slow
 def test_every_build_fits_its_launch_bounds_without_spills(build):
-    d, causal, dtype, consumers = build
-    defines = kernel_defines(d, causal, dtype, consumers)
-    cubin = _compile(build)
+    d, causal, dtype = build
+    defines = kernel_defines(d, causal, dtype)
+    cubin = compile_cuda(flash_hopper.SOURCE, arch="sm_90a", defines=defines, options=flash_hopper.OPTIONS)
     used = resources(cubin)[flash_hopper.KERNEL]
     assert (used.spill_stores, used.spill_loads, used.stack_bytes, used.local_bytes) == (0, 0, 0, 0)
-    threads = flash_hopper.threads(defines)
-    assert threads == 128 * (consumers + 1) and flash_hopper.block_m(defines) == 64 * consumers
-    # __launch_bounds__(threads, 1): 168 a thread at launch for 384 threads, 128 for 512
-    assert used.registers <= 65536 // threads // 8 * 8, "the warpgroups must fit one SM's registers at launch"
-    # setmaxnreg moves registers within the CTA's pool: the consumers' share is only there if the producer's
-    # plus theirs fit what the launch allocated (fewer at launch: their raise would spin forever)
-    producer, consumer = SPLIT[consumers]
-    assert 128 * producer + 128 * consumers * consumer <= used.registers * threads, used.registers
+    assert used.registers <= MAX_REGISTERS, "three warpgroups must fit one SM's registers at launch"
+    # setmaxnreg moves registers within the CTA's pool: the consumers' 240 are only there if the producer's
+    # 24 plus theirs fit what the launch allocated (fewer at launch: their raise would spin forever)
+    assert 128 * 24 + 256 * 240 <= used.registers * flash_hopper.THREADS, used.registers
     code = sass(cubin)
     assert not re.search(r"\b(STL|LDL)\b", code), "local memory in the machine code"
-    # registers move from the producer to the consumers, and ptxas did as told
-    assert f"USETMAXREG.DEALLOC.CTAPOOL {producer:#x}" in code
-    assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, {consumer:#x}" in code
+    # registers move from the producer to the consumers (24 / 240 a thread), and ptxas did as told
+    assert "USETMAXREG.DEALLOC.CTAPOOL 0x18" in code and "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0" in code
     assert "C7508" not in cubin.ptxas_log, "ptxas ignored setmaxnreg"
     instructions = [line.split("*/", 1)[1] for line in code.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]
     dealloc = next(i for i, text in enumerate(instructions) if "USETMAXREG.DEALLOC" in text)
@@ -76,7 +62,7 @@ def test_every_build_fits_its_launch_bounds_without_spills(build):
         return 1 + max(int(r) for text in texts for r in re.findall(r"\bR(\d+)\b", text))
 
     # (what follows the producer's dealloc: its code and the waits' out-of-line retries, all under 24)
-    assert registers(instructions) <= consumer and registers(instructions[dealloc:]) <= producer
+    assert registers(instructions) <= 240 and registers(instructions[dealloc:]) <= 24
     assert "serialized" not in cubin.ptxas_log, "ptxas serialized the wgmmas"
     assert shared_bytes(defines) <= 227 * 1024
 
@@ -91,8 +77,9 @@ def test_key_tile_loops_issue_both_products_and_run_the_softmax_under_the_p_v(bu
     waits and releases. The P V is waited for at the loop's top (0 groups left) and S just before
     the softmax (1 left: the P V), with every exp2 after that: the softmax runs while the P V does.
     Only the masked loop selects (-inf past n_k or the diagonal; 0 for a row that has seen no key)."""
-    d, causal, dtype, _ = build
-    code = sass(_compile(build))
+    d, causal, dtype = build
+    code = sass(compile_cuda(flash_hopper.SOURCE, arch="sm_90a", defines=kernel_defines(d, causal, dtype),
+                             options=flash_hopper.OPTIONS))
     kind = r"\.F32\.BF16" if dtype == torch.bfloat16 else r"\.F32"
     loops = key_tile_loops(code)
     assert len(loops) == 2, f"{len(loops)} key-tile loops"
@@ -121,8 +108,9 @@ def test_key_tile_loops_issue_both_products_and_run_the_softmax_under_the_p_v(bu
 @pytest.mark.parametrize("build", BUILDS, ids=_build_id)
 @pytest.mark.slow
 def test_every_build_loads_and_stores_through_4d_tensor_maps(build):
-    d = build[0]
-    code = sass(_compile(build))
+    d, causal, dtype = build
+    code = sass(compile_cuda(flash_hopper.SOURCE, arch="sm_90a", defines=kernel_defines(d, causal, dtype),
+                             options=flash_hopper.OPTIONS))
     assert "UTMALDG.4D" in code and "UTMASTG.4D" in code
     assert code.count("UTMASTG.4D") == d // 64, "O goes out as one box a 64-column chunk"
     assert code.count("STSM.16.M88.4") == d // 16, "the output rows into shared memory, 4 matrices a stmatrix"
@@ -135,7 +123,7 @@ def test_the_launcher_and_the_kernel_agree_on_shared_memory(tmp_path):
     default stages and for given ones."""
     for d in flash_hopper.HEAD_DIMS:
         # (hd 128 at 3 K and 4 V stages would not fit)
-        for i, extra in enumerate(({}, {"V_STAGES": 2}, {"CONSUMERS": 3}, *([{"STAGES": 3}] if d == 64 else []))):
+        for i, extra in enumerate(({}, {"V_STAGES": 2}, *([{"STAGES": 3}] if d == 64 else []))):
             defines = {**kernel_defines(d, False, torch.bfloat16), **extra}
             source = tmp_path / f"shared_{d}_{i}.cu"
             source.write_text(f'#include "{flash_hopper.SOURCE}"\n'
@@ -163,7 +151,7 @@ def test_key_tiles_skip_every_tile_above_the_diagonal_and_mask_only_where_needed
     brute force over (row, key) pairs, evaluated by the compiler (static_asserts): a query tile
     loads exactly the key tiles holding a key some row sees (causal: none wholly above the diagonal),
     and runs unmasked exactly those every row sees whole."""
-    cases = [(m0, bm, bn, n_k, causal) for bm, bn in ((128, 128), (192, 128), (64, 128), (128, 64))
+    cases = [(m0, bm, bn, n_k, causal) for bm, bn in ((128, 128), (64, 128), (128, 64))
              for m0 in range(0, 640, bm) for n_k in (1, 63, 64, 127, 128, 129, 255, 256, 300, 511, 700)
              for causal in (False, True)]
     lines = [f'#include "{PARTS}"']
@@ -274,11 +262,6 @@ def test_bad_inputs_are_refused_with_one_line(args, message):
     assert "\n" not in str(error.value)
 
 
-def test_a_build_other_than_two_or_three_consumers_is_refused():
-    with pytest.raises(ValueError, match="2 or 3 consumer warpgroups, got 4"):
-        flash_attention_hopper(*_qkv(), consumers=4)
-
-
 def test_scale_is_checked_and_defaults_to_one_over_sqrt_d():
     q, k, v = _qkv(dtype=torch.float16)
     with pytest.raises(ValueError, match="scale must be a positive finite number"):
@@ -320,10 +303,10 @@ def _poison(q):
     del buffers
 
 
-def _check(shape, dtype, causal, seed=0, scale=None, consumers=2):
+def _check(shape, dtype, causal, seed=0, scale=None):
     q, k, v = _inputs(shape, dtype, seed)
     _poison(q)
-    out, lse = flash_attention_hopper(q, k, v, causal=causal, scale=scale, consumers=consumers)
+    out, lse = flash_attention_hopper(q, k, v, causal=causal, scale=scale)
     ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=causal, scale=scale, return_lse=True)
     assert out.dtype == dtype and out.shape == q.shape and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
     assert not out.isnan().any() and not lse.isnan().any(), "an output or LSE element was never written"
@@ -342,10 +325,9 @@ ODD = [(1, 4, 4, 1, 1), (1, 4, 1, 127, 127), (1, 4, 1, 129, 129), (2, 8, 2, 1000
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", flash_hopper.HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("consumers", flash_hopper.CONSUMERS)
-def test_matches_float64_on_odd_shapes(consumers, head_dim, causal, dtype):
-    for i, (b, h, hk, nq, nk) in enumerate(ODD + [(1, 2, 1, 385, 385), (1, 2, 2, 191, 700)]):  # (+ 192-row tiles)
-        _check((b, h, hk, nq, nk, head_dim), dtype, causal, seed=i, consumers=consumers)
+def test_matches_float64_on_odd_shapes(head_dim, causal, dtype):
+    for i, (b, h, hk, nq, nk) in enumerate(ODD):
+        _check((b, h, hk, nq, nk, head_dim), dtype, causal, seed=i)
 
 
 @pytest.mark.gpu

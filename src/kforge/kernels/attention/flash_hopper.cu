@@ -7,26 +7,24 @@
 // (CAUSAL 1, top-left as SDPA's is_causal) or not; any n_q and n_k >= 1 (the wrapper,
 // flash_hopper.py, checks the rest). The same contract as the Triton forward (flash_forward.py).
 //
-// Tiling: one CTA per (64 x CONSUMERS query rows, head, batch), CONSUMERS + 1 warpgroups. Warpgroup 0
-// is the producer (24 registers a thread): one thread loads the Q tile once, then every key tile's K and
-// V through two rings (STAGES K stages, V_STAGES V stages), so S = Q K^T of a tile can start before its
-// V has landed. The others are consumers, 64 query rows each, all walking the same key tiles: two at
-// 240 registers a thread (128 rows a CTA), or three at 160 (192 rows; FlashAttention-3's hd 64 tiling:
-// at hd 64 two consumers leave the SM short of work, and two CTAs an SM would not fit the registers).
-// Causal tiles wholly above the diagonal are never loaded (key_tiles); the walk goes from the last key
-// tile down, so the tiles that need a mask (the diagonal, the n_k tail) come first and the rest run a
-// loop with none. Causal CTAs start with the query tiles that see the most keys (blockIdx.x reversed),
-// so the short ones fill the last wave. Why not persistent: a CTA holds an SM alone either way (~193 KB
-// of shared memory at hd 128, all the registers); persistence would hide the epilogue and the Q load,
-// a later step.
+// Tiling: one CTA per (128 query rows, head, batch), three warpgroups. Warpgroup 0 is the producer
+// (24 registers a thread): one thread loads the Q tile once, then every key tile's K and V through two
+// rings (STAGES K stages, V_STAGES V stages), so S = Q K^T of a tile can start before its V has
+// landed. Warpgroups 1 and 2 are consumers (240 registers a thread), 64 query rows each, both walking
+// the same key tiles. Causal tiles wholly above the diagonal are never loaded (key_tiles); the walk
+// goes from the last key tile down, so the tiles that need a mask (the diagonal, the n_k tail) come
+// first and the rest run a loop with none. Causal CTAs start with the query tiles that see the most
+// keys (blockIdx.x reversed), so the short ones fill the last wave. Why not persistent: at ~193 KB of
+// shared memory (hd 128) a CTA holds an SM alone either way; persistence would hide the epilogue and
+// the Q load, a later step.
 //
 // A consumer's k-th key tile, from the second on (FlashAttention-3's schedule, our code):
 //   wait for P_{k-2} V_{k-2} and free its V stage; round P_{k-1} to 16 bits, the P V's register operand;
 //   (its turn) issue S = Q K_k^T; rescale O by tile k-1's factors; issue O += P_{k-1} V_{k-1};
 //   (pass the turn) wait for S only and free K_k; the softmax of S into P_k (exp2, row max and sums)
 //   while P_{k-1} V_{k-1} runs on the tensor cores.
-// Across the consumers a named barrier each makes them take turns issuing (ping-pong), so one's softmax
-// runs under the others' products too. Scores stay in registers (fp32, 64 a thread); P goes
+// Across the two consumers a pair of named barriers makes them take turns issuing (ping-pong), so one's
+// softmax runs under the other's products too. Scores stay in registers (fp32, 64 a thread); P goes
 // to wgmma as its register A operand with no trip through shared memory (scores_to_operand: the same
 // layout); the scale and log2(e) are one factor (one FFMA and one MUFU.EX2 a score). Waiting for the
 // P V a tile late is what keeps the softmax under it: waited for at the end of its own tile, ptxas
@@ -61,24 +59,18 @@
 #define V_STAGES (STAGES + 1)  // a V stage is held a tile longer than a K stage: its P V is retired in the next turn
 #endif
 
-#ifndef CONSUMERS
-#define CONSUMERS 2  // consumer warpgroups: 2 (FlashAttention-3's hd 128 build) or 3 (its hd 64 one)
-#endif
-
-#define BLOCK_M (64 * CONSUMERS)  // query rows a CTA: 64 per consumer warpgroup
+#define BLOCK_M 128  // query rows a CTA: 64 per consumer warpgroup
 #define BLOCK_N 128  // keys a tile
+#define CONSUMERS 2
 #define NUM_THREADS (128 * (CONSUMERS + 1))
 #define CHUNKS (HEAD_DIM / 64)  // 64-column (128-byte) boxes across a row of the head dim
 #define Q_TILE (BLOCK_M * HEAD_DIM)  // elements
 #define KV_TILE (BLOCK_N * HEAD_DIM)
 #define SHARED_BYTES (2 * (Q_TILE + (STAGES + V_STAGES) * KV_TILE) + 1024 + 8 * (1 + 2 * (STAGES + V_STAGES)))
-#define TURN_BARRIER 1  // named barrier 1 + c: consumer c may issue its products (0 is __syncthreads)
-#define EPILOGUE_BARRIER (1 + CONSUMERS)  // (1 + CONSUMERS) + c: consumer c's output rows are in shared memory
-// The register file (64K) split by setmaxnreg: the producer keeps 24 a thread, the consumers share the rest
-// in multiples of 8 (240 a thread for two, 160 for three)
+#define TURN_BARRIER 1  // named barriers 1, 2: consumer c may issue its products (0 is __syncthreads)
+#define EPILOGUE_BARRIER 3  // named barriers 3, 4: consumer c's output rows are in shared memory
 #define PRODUCER_REGISTERS 24
-#define CONSUMER_REGISTERS (CONSUMERS == 2 ? 240 : 160)
-static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
+#define CONSUMER_REGISTERS 240
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "head dims 64 and 128 (256: not yet)");
 static_assert(SHARED_BYTES <= 227 * 1024, "fits one block's shared memory");
 static_assert((PRODUCER_REGISTERS + CONSUMERS * CONSUMER_REGISTERS) * 128 <= 65536, "the register file");
@@ -157,16 +149,14 @@ flash_forward(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
 #pragma unroll
     for (int i = 0; i < HEAD_DIM / 2; ++i) o[i] = 0.0f;  // (the first rescale multiplies it by 0)
 
-    // The ping-pong (a round robin for three): consumer c issues its products only between a wait on
-    // barrier TURN + c and an arrive on the next consumer's, so they take strict turns (0, 1, 0, 1, ... or
-    // 0, 1, 2, 0, ...), each turn one consumer's products of one tile. The last consumer arrives once
-    // first, giving consumer 0 the first turn; all take count + 1 turns, so the last one skips its last
-    // arrive (no one waits for it) and every barrier generation pairs one consumer's 128 waiting threads
-    // with the previous one's 128 arriving ones.
+    // The ping-pong: consumer c issues its products only between a wait on barrier TURN + c and an arrive
+    // on the other's, so the two take strict turns (0, 1, 0, 1, ...), each turn one consumer's products
+    // of one tile. Consumer 1 arrives once first, giving consumer 0 the first turn; both take count + 1
+    // turns, so consumer 1 skips its last arrive (no one waits for it) and every barrier generation pairs
+    // one consumer's 128 waiting threads with the other's 128 arriving ones.
     auto begin_turn = [&]() { named_barrier(TURN_BARRIER + consumer, 256); };
     auto end_turn = [&](bool last) {
-        if (!(last && consumer == CONSUMERS - 1))
-            named_barrier_arrive(TURN_BARRIER + (consumer + 1) % CONSUMERS, 256);
+        if (!(last && consumer == 1)) named_barrier_arrive(TURN_BARRIER + 1 - consumer, 256);
     };
     auto issue_qk = [&]() {
         const u64 k_stage = k_desc + k_at.stage * KV_STAGE_STEP;
@@ -202,7 +192,7 @@ flash_forward(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
         wgmma_fence();  // (o was written since the last wgmma)
     };
 
-    if (consumer == CONSUMERS - 1) named_barrier_arrive(TURN_BARRIER, 256);
+    if (consumer == 1) named_barrier_arrive(TURN_BARRIER, 256);
     mbar_wait(q_full, 0);
 
     // The first key tile walked (the last one: masked if any tile is): S, then its softmax.

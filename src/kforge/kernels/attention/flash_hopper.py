@@ -35,25 +35,13 @@ KERNEL = "flash_forward"
 OPTIONS = ("-default-device",)
 HEAD_DIMS = (64, 128)
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}  # -> FP16
-BLOCK_N = 128  # keys a tile
-CONSUMERS = (2, 3)  # consumer warpgroups a CTA, 64 query rows each, beside one producer warpgroup
+BLOCK_M, BLOCK_N, THREADS = 128, 128, 384  # query rows a CTA, keys a tile; one producer and two consumer warpgroups
 MAX_GRID_YZ = 65535  # heads and batch are the grid's y and z
 
 
-def kernel_defines(head_dim: int, causal: bool, dtype: torch.dtype, consumers: int = 2) -> dict[str, int]:
-    """The build of flash_hopper.cu for one head dim, causal or not, bf16 or fp16, with two consumer
-    warpgroups (128 query rows a CTA, 240 registers a thread) or three (192 rows, 160 registers)."""
-    return {"HEAD_DIM": head_dim, "CAUSAL": int(causal), "FP16": DTYPES[dtype], "CONSUMERS": consumers}
-
-
-def block_m(defines: Mapping[str, int]) -> int:
-    """Query rows a CTA: 64 a consumer warpgroup."""
-    return 64 * defines["CONSUMERS"]
-
-
-def threads(defines: Mapping[str, int]) -> int:
-    """Threads a CTA: a warpgroup (128) for the producer and each consumer."""
-    return 128 * (defines["CONSUMERS"] + 1)
+def kernel_defines(head_dim: int, causal: bool, dtype: torch.dtype) -> dict[str, int]:
+    """The build of flash_hopper.cu for one head dim, causal or not, bf16 or fp16."""
+    return {"HEAD_DIM": head_dim, "CAUSAL": int(causal), "FP16": DTYPES[dtype]}
 
 
 def shared_bytes(defines: Mapping[str, int]) -> int:
@@ -65,7 +53,7 @@ def shared_bytes(defines: Mapping[str, int]) -> int:
     v_stages = p.get("V_STAGES", p["STAGES"] + 1)
     tile = BLOCK_N * p["HEAD_DIM"]
     stages = p["STAGES"] + v_stages
-    return 2 * (block_m(p) * p["HEAD_DIM"] + stages * tile) + 1024 + 8 * (1 + 2 * stages)
+    return 2 * (BLOCK_M * p["HEAD_DIM"] + stages * tile) + 1024 + 8 * (1 + 2 * stages)
 
 
 def check_hopper_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> float:
@@ -94,19 +82,17 @@ def check_hopper_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 
 
 @cache
-def _kernel(head_dim: int, causal: bool, dtype: torch.dtype, consumers: int):
+def _kernel(head_dim: int, causal: bool, dtype: torch.dtype):
     from kforge.runtime.cuda import CudaKernel
 
-    return CudaKernel.from_file(SOURCE, KERNEL, defines=kernel_defines(head_dim, causal, dtype, consumers),
-                                options=OPTIONS)
+    return CudaKernel.from_file(SOURCE, KERNEL, defines=kernel_defines(head_dim, causal, dtype), options=OPTIONS)
 
 
 @cache
-def _launch(head_dim: int, causal: bool, dtype: torch.dtype, consumers: int, grid: tuple[int, int, int], index: int):
-    defines = kernel_defines(head_dim, causal, dtype, consumers)
+def _launch(head_dim: int, causal: bool, dtype: torch.dtype, grid: tuple[int, int, int], index: int):
     kinds = ("map", "map", "map", "map", "ptr", "i32", "i32", "i32", "i32", "f32")
-    return _kernel(head_dim, causal, dtype, consumers).lean(grid, threads(defines), index, kinds=kinds,
-                                                             shared_bytes=shared_bytes(defines))
+    return _kernel(head_dim, causal, dtype).lean(grid, THREADS, index, kinds=kinds,
+                                                  shared_bytes=shared_bytes(kernel_defines(head_dim, causal, dtype)))
 
 
 def _tensor_map(t: torch.Tensor, box_rows: int) -> tuple[ctypes.Array, int]:
@@ -133,11 +119,8 @@ def _tensor_map(t: torch.Tensor, box_rows: int) -> tuple[ctypes.Array, int]:
 
 
 def flash_attention_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                           scale: float | None = None, consumers: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, LSE) for q (B, H, Nq, d), k and v (B, Hkv, Nk, d), Hkv dividing H, with the CUDA kernel;
-    `consumers` (2 or 3) is the build's consumer warpgroups (`kernel_defines`)."""
-    if consumers not in CONSUMERS:
-        raise ValueError(f"flash_attention_hopper builds with 2 or 3 consumer warpgroups, got {consumers}")
+                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, LSE) for q (B, H, Nq, d), k and v (B, Hkv, Nk, d), Hkv dividing H, with the CUDA kernel."""
     scale = check_hopper_inputs(q, k, v, scale)
     batch, heads, n_q, dim = q.shape
     out = torch.empty_like(q)
@@ -146,11 +129,10 @@ def flash_attention_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     lse = torch.empty((batch, heads, n_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    rows = block_m(kernel_defines(dim, causal, q.dtype, consumers))
-    maps = [_tensor_map(q, rows), _tensor_map(k, BLOCK_N), _tensor_map(v, BLOCK_N), _tensor_map(out, 64)]
-    grid = (-(-n_q // rows), heads, batch)
+    maps = [_tensor_map(q, BLOCK_M), _tensor_map(k, BLOCK_N), _tensor_map(v, BLOCK_N), _tensor_map(out, 64)]
+    grid = (-(-n_q // BLOCK_M), heads, batch)
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    launch = _launch(dim, bool(causal), q.dtype, consumers, grid, index)
+    launch = _launch(dim, bool(causal), q.dtype, grid, index)
     launch(torch.cuda.current_stream(q.device).cuda_stream, *(address for _, address in maps), lse.data_ptr(),
            n_q, k.shape[2], heads, heads // k.shape[1], scale * LOG2E)
     return out, lse
