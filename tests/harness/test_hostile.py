@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES
+from conftest import EXAMPLES, FIXTURES
 from kforge.harness import containment
 from kforge.harness.suite import CORRECT_STATUSES as CORRECT
 from kforge.harness.channel import MAX_LINE
@@ -136,6 +136,21 @@ def test_2c_the_first_of_a_rounds_two_calls_is_re_checked_too(judge):
     assert record.status == "incorrect", record.reason
     assert record.defences == ["recheck"], record.defences
     assert record.reason.startswith("a timed call's output was wrong"), record.reason
+
+
+@pytest.mark.slow
+def test_2c_a_free_second_call_on_the_same_inputs_buys_no_speedup(cpu, cpu_ceilings):
+    # The candidate answers a repeat of its inputs from its last output: always right, and its
+    # second call of each round nearly free. Only each side's first call of a round counts.
+    problem = EXAMPLES / "problems" / "vector_add.py"  # ~1 ms a call on a CPU
+    record = evaluate_isolated(problem, FIXTURES / "candidates" / "judge_memo_second_call.py",
+                               timing=TimingConfig(budget_s=2.0), ceilings=cpu_ceilings, size="full",
+                               device_name=cpu.name, limits=LIMITS, remeasure_above=None)
+    assert record.gate1["passed"], record.reason
+    verdict = record.gate2["verdict"]
+    assert verdict["bb_ratio"] > 3, "the memo did answer the second calls for free"
+    # the same sum as the reference's: a tie under the CPU's 25% floor (1.6x with the calls summed)
+    assert record.status != "passed" and verdict["speedup"] < 1.25, (record.status, verdict)
 
 
 @pytest.mark.slow

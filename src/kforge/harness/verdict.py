@@ -135,27 +135,19 @@ def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> l
     return [a / b if b > 0 else math.inf for a, b in zip(numerator, denominator)]
 
 
-def round_ratios(reference: Sequence[float], candidate: Sequence[float], again: Sequence[float] | None = None,
-                 candidate_again: Sequence[float] | None = None) -> list[float]:
-    """Each round's speedup: the reference's time over the candidate's, both calls of each
-    side summed where the candidate was timed twice."""
-    if candidate_again is None:
-        return paired_ratios(reference, candidate)
-    if again is None or not len(reference) == len(candidate) == len(again) == len(candidate_again):
-        raise ValueError("a round with two candidate calls needs two reference calls of the same rounds")
-    return paired_ratios([a + b for a, b in zip(reference, again)], [a + b for a, b in zip(candidate, candidate_again)])
-
-
 def judge_speed(reference: Sequence[float], candidate: Sequence[float], again: Sequence[float] | None = None,
                 candidate_again: Sequence[float] | None = None, *, min_speedup: float | None = None,
                 min_noise_floor: float = MIN_NOISE_FLOOR, host_bound: bool = False,
                 cpu_device: bool = False) -> Verdict:
     """The verdict from per-round times (ms) of the reference, the candidate, the
     reference's A/A call and the candidate's second call, all of the same rounds, in order.
-    `host_bound`: the two sides ran in two processes and a side's calls were bounded by
+    Each round's speedup is its first two: each side's first call on the round's inputs. A
+    second call on the same inputs decides nothing, or a candidate that keeps its last output
+    by the inputs' content would halve its time (judge_memo_second_call.py); the A/A pair
+    gives the noise floor, the B/B pair is recorded. `host_bound`: the two sides ran in two processes and a side's calls were bounded by
     its host; the floor is then at least HOST_BOUND_FLOOR. `cpu_device`: the two processes
     ran on a CPU device; the floor is then at least CPU_DEVICE_FLOOR."""
-    ratios = round_ratios(reference, candidate, again, candidate_again)
+    ratios = paired_ratios(reference, candidate)
     if not ratios:
         raise ValueError("no timed rounds")
     aa_ratio = None
