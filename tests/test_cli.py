@@ -65,6 +65,18 @@ def test_an_unusable_candidate_exits_2_with_a_one_line_reason(cli, write):
 
 
 @pytest.mark.slow
+def test_a_candidates_words_are_printed_as_text_not_markup(cli, write):
+    # rich markup in an error message once crashed the verdict's table (and then the internal
+    # error's handler, on the same text): exit 1 and a traceback where a candidate error is 2
+    candidate = write("markup.py", "import torch\nclass ModelNew(torch.nn.Module):\n"
+                                   "    def forward(self, x):\n        raise RuntimeError('[/] [bold]not bold[/bold]')\n")
+    result = cli("eval", ROW_SUMS, candidate)
+    assert result.returncode == 2, result.stderr
+    assert "CANDIDATE ERROR" in result.stdout and "[/] [bold]not bold[/bold]" in " ".join(result.stdout.split())
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
 def test_a_missing_file_exits_2_without_a_traceback_or_a_record(cli, tmp_path):
     result = cli("eval", ROW_SUMS, tmp_path / "nope.py")
     assert result.returncode == 2

@@ -1510,9 +1510,9 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except KforgeError as exc:
-        err.print(f"[bold red]error:[/] {exc.reason}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(exc.reason)}", highlight=False)
         if exc.details:
-            err.print(exc.details, style="dim", highlight=False)
+            err.print(exc.details, style="dim", markup=False, highlight=False)
         sys.exit(2)
     except typer.Abort:
         err.print("aborted")
@@ -1527,8 +1527,8 @@ def main() -> None:
             message = " ".join(exc.format_message().split())  # one line, in the style of every other error
             err.print(f"[bold red]error:[/] {escape(message)}{escape(see)}", highlight=False)
             sys.exit(2)
-        err.print(f"[bold red]kforge internal error:[/] {type(exc).__name__}: {exc}", highlight=False)
+        err.print(f"[bold red]kforge internal error:[/] {type(exc).__name__}: {escape(str(exc))}", highlight=False)
         err.print("this is a bug in kforge; its traceback:", style="dim")
-        err.print("".join(traceback.format_exception(exc)), style="dim", highlight=False)
+        err.print("".join(traceback.format_exception(exc)), style="dim", markup=False, highlight=False)
         sys.exit(3)
     sys.exit(code if isinstance(code, int) else 0)

@@ -97,7 +97,7 @@ def eval_view(record: dict, results_path: str | None = None, verbose: bool = Fal
     if gate1 and gate1.get("failure") not in (None, "values", "nonfinite", "poison"):
         # a wrong shape, dtype, device, type or structure: no values were compared, so say what differs
         detail = f"{gate1['trials_passed']}/{gate1['trials']} trials · {gate1.get('reason') or gate1['failure']}"
-        table.add_row("gate 1  correct", _pass(gate1["passed"]), detail)
+        table.add_row("gate 1  correct", _pass(gate1["passed"]), Text(detail))
     elif gate1:
         detail = (f"{gate1['trials_passed']}/{gate1['trials']} trials · max abs err {gate1['max_abs_err']:.2g} · "
                   f"max rel err {gate1['max_rel_err']:.2g} · mismatched {100 * gate1['mismatch_frac']:.3g}% · "
@@ -136,9 +136,10 @@ def eval_view(record: dict, results_path: str | None = None, verbose: bool = Fal
                           f"{' · '.join(r for r in rate if r)} · {fmt_pct(point['pct_of_roof'])} of roof")
 
     label, style = VERDICT_STYLE[record["status"]]
-    table.add_row("verdict", Text(label, style=style), record.get("reason") or "")
+    # (a record's words, the candidate's error messages among them, are text: never rich markup)
+    table.add_row("verdict", Text(label, style=style), Text(record.get("reason") or ""))
     if record.get("defences"):
-        table.add_row("defences", Text("fired", style="yellow"), ", ".join(record["defences"]))
+        table.add_row("defences", Text("fired", style="yellow"), Text(", ".join(record["defences"])))
 
     parts = [header, table]
     for warning in record.get("warnings") or []:
@@ -234,10 +235,10 @@ def suite_view(summary, device_name: str, results_path: str) -> Group:
     for row in summary.rows:
         label, style = VERDICT_STYLE.get(row.status, (row.status.upper(), "dim"))
         note = ", ".join(row.defences) if row.defences else (row.reason or "" if row.status != "passed" else "")
-        table.add_row(row.name, Text(label, style=style),
+        table.add_row(Text(row.name), Text(label, style=style),
                       f"{row.speedup:.3f}x" if row.speedup is not None else "-",
                       fmt_ms(row.reference_ms), fmt_ms(row.candidate_ms), fmt_pct(row.pct_of_roof),
-                      note if len(note) < 70 else note[:67] + "...")
+                      Text(note if len(note) < 70 else note[:67] + "..."))
     scores = Text.assemble(
         ("fast_p  ", "bold"),
         "  ".join(f"fast_{p:g} = {value:.2f}" for p, value in summary.fast_p.items()),

@@ -329,6 +329,14 @@ def test_3b_clocks_that_are_not_numbers_are_a_crash(judge):
 
 
 @pytest.mark.slow
+def test_3b_an_infinite_warm_up_count_is_a_crash_with_a_record(judge):
+    record = judge("reply_infinite_warmup")
+    assert record.status == "crash", record.reason
+    assert record.reason == "the candidate worker sent a malformed count: inf", record.reason
+    assert record.gate1["passed"] and record.gate2 is None
+
+
+@pytest.mark.slow
 def test_3c_a_reply_over_the_line_limit_is_a_protocol_breach(judge):
     record = judge("reply_over_1mb")
     assert record.status == "crash", record.reason

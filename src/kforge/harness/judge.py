@@ -354,6 +354,7 @@ class Judge:
         warm = self._ask_reference({"op": "warm", "min_calls": config.min_warmup_calls, "seconds": config.warmup_s})
         cand_warm = self._ask_candidate({"op": "warm", "min_calls": config.min_warmup_calls,
                                          "seconds": config.warmup_s})
+        candidate_warmup_calls = _count(cand_warm.get("calls"), "candidate")
         # The GPU's rest before each call is sized from the reference alone, and queued
         # from the judge's own process, with the L2 flush: neither can be skipped.
         cover = None
@@ -435,7 +436,7 @@ class Judge:
             sync_overhead_ms=statistics.median(sync_costs(raw)) if cuda else None,
             profile=call_profiles(raw, names, TRUSTED),
             warmup_calls={"reference": int(_number(warm.get("calls"))),
-                          "candidate": int(_number(cand_warm.get("calls")))},
+                          "candidate": candidate_warmup_calls},
             wall_s=time.perf_counter() - t0,
             worker_cpus=self.cpus,
             per_call=per_call,
@@ -811,6 +812,15 @@ def _clocks(value, name: str) -> Clocks:
             or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9 for v in value)):
         raise Ended("crash", f"the {name} worker sent malformed clocks: {str(value):.120}")
     return (float(value[0]), float(value[1]), float(value[2]))
+
+
+def _count(value, name: str) -> int:
+    """A whole, non-negative number below 1e12 (JSON's Infinity and NaN are neither), or the
+    worker broke the protocol."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e12
+            and value == int(value)):
+        raise Ended("crash", f"the {name} worker sent a malformed count: {str(value):.120}")
+    return int(value)
 
 
 def _claims(reply: dict) -> dict:
