@@ -497,3 +497,14 @@ def test_4f_a_candidate_cannot_reach_another_evaluations_scratch(cpu, cpu_ceilin
         hostile.join()
     assert target.read_text() == before, "another evaluation's reference worker wrote through the planted link"
     assert records["honest"].status in CORRECT, records["honest"].reason
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ABI < 3, reason="needs Landlock ABI >= 3 (the truncate right)")
+def test_4g_the_shared_arena_cannot_be_cut_short_to_crash_the_reference(judge):
+    # A wrong candidate truncating the file both workers map after each call: the reference's
+    # worker died of SIGBUS and the record blamed the reference. Its length is not the
+    # candidate's to change, so the candidate is judged on its outputs.
+    record = judge("outlive_truncate_arena")
+    assert record.status == "incorrect", record.reason
+    assert record.gate1 is not None and not record.gate1["passed"], record.gate1

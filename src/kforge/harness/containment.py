@@ -422,8 +422,9 @@ def landlock_abi() -> int:
     return max(version, 0)
 
 
-def _allow(ruleset: int, path: Path, handled: int) -> bool:
-    """Grant the write rights beneath `path`; True also when there is nothing there."""
+def _allow(ruleset: int, path: Path, handled: int, fixed_size: bool = False) -> bool:
+    """Grant the write rights beneath `path` (a file of `fixed_size`: its bytes, never its
+    length); True also when there is nothing there."""
     try:
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -434,7 +435,7 @@ def _allow(ruleset: int, path: Path, handled: int) -> bool:
         if stat.S_ISDIR(os.fstat(fd).st_mode):
             rights = handled & ~_DEVICE_RIGHTS
         else:
-            rights = handled & _FILE_RIGHTS
+            rights = handled & (_WRITE_FILE if fixed_size else _FILE_RIGHTS)
         rule = _PathBeneath(rights, fd)
         return _syscall(_SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset),
                         ctypes.c_int(_RULE_PATH_BENEATH), ctypes.byref(rule),
@@ -443,9 +444,11 @@ def _allow(ruleset: int, path: Path, handled: int) -> bool:
         os.close(fd)
 
 
-def confine(writable: Sequence[str | Path]) -> Confinement:
+def confine(writable: Sequence[str | Path], fixed_size: Sequence[str | Path] = ()) -> Confinement:
     """Confine this process and all it will start: writes only beneath `writable` (paths
-    that do not exist are skipped), no signals or ptrace outside. Irreversible. Call it
+    that do not exist are skipped), and to the bytes of the files in `fixed_size`, which it
+    cannot truncate or extend (from Landlock ABI 3; a file another process maps, cut short,
+    kills that process with SIGBUS); no signals or ptrace outside. Irreversible. Call it
     before importing untrusted code, and before any other thread starts.
 
     Returns what was contained: nothing if a step failed (no domain is installed then),
@@ -468,7 +471,8 @@ def confine(writable: Sequence[str | Path]) -> Confinement:
     if ruleset < 0:
         return nothing
     try:
-        if not all(_allow(ruleset, Path(path), handled) for path in writable):
+        rules = [(path, False) for path in writable] + [(path, True) for path in fixed_size]
+        if not all(_allow(ruleset, Path(path), handled, fixed) for path, fixed in rules):
             return nothing
         threads = len(os.listdir("/proc/self/task"))
         all_threads = abi >= 8

@@ -690,8 +690,11 @@ class Judge:
         # fails: H100, 2026-11-27); /dev/shm, where torch keeps the reference counts of the
         # CUDA IPC memory it opens (without it, opening the arena fails). The evaluations'
         # own folders are elsewhere (shared.scratch_root).
-        writable = [str(work), str(cache), str(self.arena_file), "/proc/self", "/dev/shm", *_device_files()]
+        # The arena's file (a CPU's): its bytes, not its length; the reference's worker maps it, and a file
+        # cut short under a mapping kills the process that reads it (SIGBUS), blamed on the reference.
+        writable = [str(work), str(cache), "/proc/self", "/dev/shm", *_device_files()]
         warden_job = dict(argv=[sys.executable, "-m", "kforge.harness.candidate_worker"], env=env, writable=writable,
+                          fixed_size=[str(self.arena_file)],
                           pass_fds=[command_fd, reply_fd], log=str(log), lock_affinity=bool(self.cpus),
                           worker_job={"command_fd": command_fd, "reply_fd": reply_fd})
         self.warden = subprocess.Popen([sys.executable, str(HARNESS / "warden.py")], stdin=subprocess.PIPE,

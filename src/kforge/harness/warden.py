@@ -11,8 +11,8 @@ and on "kill" (or when the judge goes away) kills that whole tree, reaps it and 
 the judge who survived. It never imports torch or kforge: it starts in milliseconds and
 holds nothing worth attacking.
 
-Job (first line on stdin, JSON): argv, env, writable, pass_fds, log (the worker's stdout
-and stderr), lock_affinity (no process of the worker's may change a CPU affinity). Replies on stdout:
+Job (first line on stdin, JSON): argv, env, writable and fixed_size (containment.confine),
+pass_fds, log (the worker's stdout and stderr), lock_affinity (no process of the worker's may change a CPU affinity). Replies on stdout:
 {"spawned": pid, "confinement": {...}, "affinity_locked": bool} once, then
 {"survivors": [...], "exit": status} after each {"op": "kill"}.
 """
@@ -37,7 +37,7 @@ def main() -> int:
     def confine_child() -> None:  # runs in the forked child, before exec
         os.close(report_read)
         locked = bool(job.get("lock_affinity")) and containment.lock_affinity()
-        result = containment.confine(job["writable"])
+        result = containment.confine(job["writable"], job.get("fixed_size", ()))
         os.write(report_write, json.dumps({**result.to_dict(), "affinity_locked": locked}).encode())
         os.close(report_write)
         containment.die_with_parent()
