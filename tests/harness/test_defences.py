@@ -33,6 +33,7 @@ def isolated(cpu, cpu_ceilings):
     ("slow_background_thread", "row_sums", "incorrect", None),
     # 3. lazy outputs: a tensor subclass
     ("lazy_subclass", "add", "incorrect", {"plain_tensor"}),
+    ("lazy_named_tensor", "add", "incorrect", {"plain_tensor"}),  # one that calls itself torch.Tensor
     # 4. inputs mutated, so a reference sharing them would return zeros
     ("zero_inputs", "add", "incorrect", {"input_clones"}),
     # 5. output memory that held the reference's result in a shared process: here it never did

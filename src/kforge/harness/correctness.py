@@ -194,7 +194,11 @@ def describe_output(output) -> dict:
     if isinstance(output, (tuple, list)):
         return {type(output).__name__: [describe_output(item) for item in output]}
     if isinstance(output, torch.Tensor):
-        return {"output": {"type": f"{type(output).__module__}.{type(output).__qualname__}",
+        # by identity, not by name: a subclass may call itself torch.Tensor (`__module__`,
+        # `__qualname__`) and defer its work to the copy after the timed call
+        kind = type(output)
+        name = "torch.Tensor" if kind is torch.Tensor else f"subclass {kind.__module__}.{kind.__qualname__}"
+        return {"output": {"type": name,
                            "shape": list(output.shape), "dtype": str(output.dtype).removeprefix("torch."),
                            "device": output.device.type}}
     if output is None or isinstance(output, (bool, int, float, str)):
