@@ -154,6 +154,16 @@ def test_2c_a_free_second_call_on_the_same_inputs_buys_no_speedup(cpu, cpu_ceili
 
 
 @pytest.mark.slow
+def test_2c_a_helper_process_stays_stopped_through_gate_2(judge):
+    # A process the candidate forked at import runs with its worker through load and gate 1;
+    # from gate 2 on only the worker's own process is woken, so no helper works during a
+    # round's `prepare` on another core (the fixture's timed calls fail if it ran).
+    record = judge("judge_helper_process")
+    assert record.status in CORRECT, record.reason
+    assert record.gate2 is not None and record.gate2["rounds"] >= 30
+
+
+@pytest.mark.slow
 def test_2c_a_round_s_first_in_place_result_is_re_checked_though_restored(judge):
     # The arena is written back before the round's second call; what the first call left
     # there is kept by the reference's restore and compared when that call is re-checked.

@@ -223,7 +223,7 @@ class Judge:
         self.warnings: list[str] = []
         self.defences: list[str] = []
         self.hello: dict = {}
-        self.reference = self.warden = self.worker = self.gate1 = None
+        self.reference = self.warden = self.worker = self.gate1 = self.worker_pid = None
         self._probe_tensor = self._rest_timer = None  # the judge's own CUDA context, on a GPU
         self.held_ms = None  # the last timed call's turn on the GPU, on the judge's events (_reply_seen)
         self.scratch = Path(tempfile.mkdtemp(prefix="kforge-", dir=scratch_root()))
@@ -489,15 +489,19 @@ class Judge:
     def _ask_candidate(self, message: dict, timed: bool = False) -> dict:
         """Wake the candidate's tree, ask, stop the tree the moment it replies, then wait for
         the GPU: nothing of it runs between its reply and its next command, and whatever it
-        left queued on the GPU finishes inside the judge's clock."""
+        left queued on the GPU finishes inside the judge's clock. In gate 2 only the worker's
+        own process is woken: a process it started before stays stopped (on a CPU device one
+        had done a call's work on another core during `prepare`, judge_helper_process.py);
+        one it starts during a command runs until the reply."""
         tree = self._candidate_tree()
+        awake = [pid for pid in tree if pid == self.worker_pid] if self.stage == "gate2" else tree
         try:
             self._rest() if timed else self._probe()
             if self.worker.channel.pending():
                 raise Ended("crash", f"the candidate's worker replied to {message['op']!r} before it was asked: "
                                      "something of it ran while it was stopped")
             started = time.perf_counter()
-            containment.signal_all(tree, signal.SIGCONT)
+            containment.signal_all(awake, signal.SIGCONT)
             reply = self.worker.channel.request(message, self.deadline)
             self._reply_seen(timed)
             containment.signal_all(tree, signal.SIGSTOP)
@@ -710,6 +714,7 @@ class Judge:
         except ChannelError as exc:
             raise Ended("crash", f"the candidate's worker could not be started: {exc.reason}") from None
         self.confinement = spawned.get("confinement") or None
+        self.worker_pid = spawned.get("spawned")  # the warden's word (kforge's code), not the worker's
         if self.cpus and not spawned.get("affinity_locked"):
             self.warnings.append("the candidate's worker can change CPU affinities (no seccomp filter here): the "
                                  "judge can only check both workers' CPU after each timed call")
