@@ -76,6 +76,16 @@ def test_a_candidates_words_are_printed_as_text_not_markup(cli, write):
     assert "Traceback" not in result.stderr
 
 
+def test_a_results_path_that_is_a_folder_is_refused_before_anything_runs(cli, tmp_path):
+    # (once: a whole evaluation, then an IsADirectoryError as an internal error, the record lost)
+    folder = tmp_path / "records"
+    folder.mkdir()
+    result = cli("eval", ROW_SUMS, ROW_SUMS, "--results", folder)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"Invalid value for '--results': file '{folder}' is a directory" in result.stderr
+    assert list(folder.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_a_missing_file_exits_2_without_a_traceback_or_a_record(cli, tmp_path):
     result = cli("eval", ROW_SUMS, tmp_path / "nope.py")

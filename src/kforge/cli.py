@@ -222,7 +222,8 @@ def eval_command(
                               "Default: full on a GPU, auto on a CPU.", show_default=False),
     seed: int = typer.Option(None, help="Run seed, to reproduce a run (default: secret and random; "
                              "needs --in-process)."),
-    results: Path = typer.Option(None, help="JSONL file the record is appended to (default: kforge-results.jsonl "
+    results: Path = typer.Option(None, dir_okay=False,
+                                 help="JSONL file the record is appended to (default: kforge-results.jsonl "
                                  "in $KFORGE_RESULTS_DIR, else in ./kforge-results/).", show_default=False),
     save: bool = typer.Option(True, help="Append the record to --results."),
     json_output: bool = typer.Option(False, "--json", help="Print the record as JSON, and nothing else."),
@@ -323,7 +324,8 @@ def suite_command(
     resume: bool = typer.Option(False, help="Continue the run stored in --results (it must exist)."),
     force: bool = typer.Option(False, help="Evaluate every pair again; new records are appended and "
                                "the latest counts."),
-    results: Path = typer.Option(None, help="JSONL store of the suite's records (default: kforge-suite.jsonl in "
+    results: Path = typer.Option(None, dir_okay=False,
+                                 help="JSONL store of the suite's records (default: kforge-suite.jsonl in "
                                  "$KFORGE_RESULTS_DIR, else in ./kforge-results/).", show_default=False),
     baseline: SuiteBaseline = typer.Option(SuiteBaseline.eager, help="What the candidates must beat: eager "
                                            "PyTorch, torch.compile of the reference, or both (each pair runs "
@@ -453,10 +455,11 @@ def ladder_command(
                               show_default=False),
     sweep: bool = typer.Option(False, help="Instead of the rungs, time every shape in the tuned rung's sweep."),
     time_budget: float = typer.Option(5.0, min=0.1, help="Seconds of timed rounds per rung at most."),
-    results: Path = typer.Option(None, help="JSONL file the records are appended to (default: "
+    results: Path = typer.Option(None, dir_okay=False, help="JSONL file the records are appended to (default: "
                                  "ladder-<family>-<dtype>[-sweep].jsonl in $KFORGE_RESULTS_DIR, else in "
                                  "./kforge-results/).", show_default=False),
-    chart: Path = typer.Option(None, help="PNG chart of the climb (default: the results path with .png).",
+    chart: Path = typer.Option(None, dir_okay=False,
+                               help="PNG chart of the climb (default: the results path with .png).",
                                show_default=False),
     replot: bool = typer.Option(False, help="Measure nothing: redraw the table and chart from the records in "
                                 "--results (the latest record of each rung)."),
@@ -595,9 +598,11 @@ def bench_command(
                                "(gemm: 1024^3, '8B qkv M=16', ...; attention: 'full N=4096 D=128', "
                                "'causal N=512 D=64', ...)."),
     time_budget: float = typer.Option(1.0, min=0.1, help="Seconds of timed rounds per evaluation at most."),
-    results: Path = typer.Option(None, help="JSONL file the records are appended to (default: bench-FAMILY.jsonl "
+    results: Path = typer.Option(None, dir_okay=False,
+                                 help="JSONL file the records are appended to (default: bench-FAMILY.jsonl "
                                  "in $KFORGE_RESULTS_DIR, else in ./kforge-results/).", show_default=False),
-    chart: Path = typer.Option(None, help="PNG chart (default: the results path with .png).", show_default=False),
+    chart: Path = typer.Option(None, dir_okay=False,
+                               help="PNG chart (default: the results path with .png).", show_default=False),
     replot: bool = typer.Option(False, help="Measure nothing: redraw the table and chart from --results."),
     sweep: bool = typer.Option(False, help="attention: time our kernel in each of its autotuner's configs "
                                "instead of the methods."),
@@ -825,13 +830,15 @@ def tune_gemm_command(
     shapes: str = typer.Option("bench", help="bench (kforge bench gemm's squares and Llama-3 projections), or "
                                "'M,N,K[:kn|nk];...' (nk: y = x W^T)."),
     time_budget: float = typer.Option(1.0, min=0.1, help="Seconds of timed rounds per evaluation at most."),
-    results: Path = typer.Option(None, help="JSONL file the records are appended to (default: tune-gemm.jsonl in "
+    results: Path = typer.Option(None, dir_okay=False,
+                                 help="JSONL file the records are appended to (default: tune-gemm.jsonl in "
                                  "$KFORGE_RESULTS_DIR, else in ./kforge-results/).", show_default=False),
     from_records: Path = typer.Option(None, "--from-records", help="Time nothing: build the table from these "
                                       "records (any machine).", show_default=False),
     device_name: str = typer.Option(None, "--device-name", help="With --from-records: whose records (default: the "
                                     "only device in them).", show_default=False),
-    out: Path = typer.Option(None, help="Where the table goes (default: where kforge.ops.matmul reads it, "
+    out: Path = typer.Option(None, dir_okay=False,
+                             help="Where the table goes (default: where kforge.ops.matmul reads it, "
                              "$KFORGE_CACHE_DIR/dispatch/).", show_default=False),
 ) -> None:
     """Which bf16 GEMM kernel kforge.ops.matmul runs for each shape: every candidate (rungs 4-6
@@ -1256,8 +1263,9 @@ def roofline_command(
 @app.command("report")
 def report_command(
     results_dir: Path = typer.Argument(Path("benchmarks/results"), help="Folder of <device>/<bench>.jsonl records."),
-    output: Path = typer.Option(None, "--output", "-o", help="Markdown file to write (default: RESULTS.md in "
-                                "$KFORGE_RESULTS_DIR, else in ./kforge-results/).", show_default=False),
+    output: Path = typer.Option(None, "--output", "-o", dir_okay=False,
+                                help="Markdown file to write (default: RESULTS.md in $KFORGE_RESULTS_DIR, else in "
+                                "./kforge-results/).", show_default=False),
 ) -> None:
     """Every record's table as one Markdown page (a view; measures nothing). The docs' own
     tables are written by `python -m kforge.docs_tables`."""
@@ -1358,7 +1366,8 @@ def machine_command(
                                 show_default=False),
     ray_resources: str = typer.Option(None, "--ray-resources", help="With --executor ray: what each judge holds, "
                                       "NAME=AMOUNT separated by commas. Default: GPU=1.", show_default=False),
-    results: Path = typer.Option(None, help="JSONL store of the attempts (default: machine-<problem>.jsonl in "
+    results: Path = typer.Option(None, dir_okay=False,
+                                 help="JSONL store of the attempts (default: machine-<problem>.jsonl in "
                                  "$KFORGE_RESULTS_DIR, else in ./kforge-results/).", show_default=False),
     time_budget: float = typer.Option(10.0, min=0.1, help="Seconds of timed rounds per evaluation at most."),
     stage_timeout: float = typer.Option(None, min=1.0, help=STAGE_TIMEOUT_HELP, show_default=False),
