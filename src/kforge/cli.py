@@ -342,7 +342,7 @@ def suite_command(
                                          show_default=False),
     executor: SuiteExecutor = typer.Option(SuiteExecutor.local, help="Where the pairs run: local (this machine's "
                                            "GPUs, --gpus) or ray (one judge per GPU of a cluster; "
-                                           "pip install 'kforge[ray]'; docs/scale-out.md)."),
+                                           "pip install 'kforge\\[ray]'; docs/scale-out.md)."),
     address: str = typer.Option(None, help="With --executor ray: the cluster's address (auto: the cluster this "
                                 "machine belongs to). Default: start a Ray instance on this machine for the run.",
                                 show_default=False),
@@ -1502,7 +1502,7 @@ def _machine_view(run, found, results: Path):
         table.add_row(str(attempt["sample"]), str(attempt["turn"]),
                       Text(attempt["status"], style="bold green" if attempt["status"] == "passed" else None),
                       speedup, "-" if pct is None else f"{pct:.1f}%", flags,
-                      reason if len(reason) <= 60 else reason[:59] + "…")
+                      Text(reason if len(reason) <= 60 else reason[:59] + "…"))  # a model's words: not markup
     lines = [table]
     if found.samples:
         at = "   ".join(f"pass@{k} {found.pass_at[k]:.2f}" for k in found.pass_at)
