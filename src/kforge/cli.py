@@ -1125,6 +1125,13 @@ def _load_llama(model: str, json_output: bool = False, weights: str = "bf16", qu
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # a CPU has no fast bf16 matmul, but the quantized formats' ops take bf16 activations
     dtype = torch.bfloat16 if device == "cuda" or weights != "bf16" else torch.float32
+    if model in PRESETS and device == "cpu":
+        from kforge.device import current_device
+
+        need, have = PRESETS[model].parameter_count() * dtype.itemsize, current_device("cpu").memory_bytes
+        if have and need > have // 2:  # random weights drawn in place, then the step's buffers: it would swap
+            raise ModelError(f"no CUDA device: {model}'s weights need {need / 1e9:.0f} GB in {str(dtype)[6:]} on "
+                             f"this CPU, which has {have / 1e9:.0f} GB; a CPU runs the small presets (--model tiny)")
     with working(f"loading {model}", json_output):
         if model in PRESETS:
             return random_model(model, dtype=dtype, device=device, weights=weights,
