@@ -276,3 +276,18 @@ def test_a_text_prompt_goes_through_the_checkpoints_tokenizer(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:  # random weights have no tokenizer
         main(["--device", "cpu", "--prompt", "w5"])
     assert exited.value.code == 2 and "--prompt needs a checkpoint with a tokenizer.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--k", "a,b"], "argument --k: takes comma-separated integers, got 'a,b'"),
+    (["--k", "2,0"], "argument --k: draft counts are at least 1"),
+    (["--device", "gpu0"], "--device gpu0: not a device"),
+    *([(["--device", "cuda"], "--device cuda: torch sees no CUDA device")] if not torch.cuda.is_available() else []),
+])
+def test_bad_arguments_are_one_usage_error_and_exit_2(argv, message, capsys):
+    from kforge.models.deepseek.generate import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    error = capsys.readouterr().err
+    assert exited.value.code == 2 and message in error and "Traceback" not in error

@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=32, help="random prompt token ids (without --prompt)")
     parser.add_argument("--prompt", default=None, help="a text prompt (needs --checkpoint with a tokenizer.json)")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--k", default="1,2,4", help="draft counts, comma-separated")
+    parser.add_argument("--k", type=_draft_counts, default="1,2,4", help="draft counts, comma-separated")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--requests", type=int, default=0,
@@ -218,9 +218,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=8, help="the engine's slots (with --requests)")
     args = parser.parse_args(argv)
     try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a device (cpu, cuda, cuda:1, ...)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no CUDA device here (--device cpu)")
+    try:
         _run(args)
     except ModelError as exc:
         parser.exit(2, f"python -m kforge.models.deepseek: {exc}\n")
+
+
+def _draft_counts(text: str) -> list[int]:
+    """--k: draft counts of at least 1, comma-separated."""
+    try:
+        counts = [int(k) for k in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated integers, got {text!r}") from None
+    if any(k < 1 for k in counts):
+        raise argparse.ArgumentTypeError(f"draft counts are at least 1, got {text!r}")
+    return counts
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -246,7 +263,7 @@ def _run(args: argparse.Namespace) -> None:
           f"temperature {args.temperature}")
     print(f"{'drafts K':>8} {'steps':>6} {'accepted':>9} {'tokens/step':>11} {'tokens/s':>9}  same tokens as K=0")
     plain = generate(model, prompt, params)
-    for k in [0] + [int(k) for k in args.k.split(",")]:
+    for k in [0] + args.k:
         run = plain if k == 0 else generate(model, prompt, params, draft_k=k)
         same = "yes" if run.tokens == plain.tokens else ("no" if params.greedy else "(sampled)")
         print(f"{k:>8} {run.target_steps:>6} {run.acceptance_rate:>9.1%} {run.tokens_per_step:>11.2f} "
@@ -280,7 +297,7 @@ def _engine_table(model: DeepSeekV3, args: argparse.Namespace, params: SamplingP
           f"{args.max_tokens} tokens, {args.slots} slots, temperature {args.temperature}")
     print(f"{'drafts K':>8} {'passes':>7} {'accepted':>9} {'tokens/row-pass':>15} {'tokens/s':>9}  same tokens as K=0")
     plain = None
-    for k in [0] + [int(k) for k in args.k.split(",")]:
+    for k in [0] + args.k:
         engine = DeepSeekEngine(model, max_slots=args.slots, max_context=max_context, draft_k=k)
         engine.generate(prompts[:1], replace(params, max_tokens=2))  # warm-up: first calls, kernel builds
         engine.stats = type(engine.stats)()
