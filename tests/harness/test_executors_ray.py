@@ -231,3 +231,18 @@ def test_the_machine_loops_evaluator_judges_pairs_as_they_come_on_every_judge(cl
     assert [r.status for r in on_ray] == [r.status for r in here] == ["passed", "crash"] * 2, reasons
     assert all(r.device["name"] == cluster["cpu"].name for r in on_ray if r.status == "passed")
     assert on_ray[0].speedup == pytest.approx(here[0].speedup)  # scripted: 2x
+
+
+def test_no_cluster_at_the_address_is_one_line_not_a_traceback(monkeypatch):
+    # (once: ray.init's ConnectionError reached the user as kforge's internal error)
+    executor = RayExecutor(address="auto")
+
+    def no_cluster(**_):
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(executor.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(executor.ray, "init", no_cluster)
+    with pytest.raises(KforgeError, match=r"--address auto: no Ray cluster to join \(Could not find any running Ray "
+                                          r"instance\.\); start one with `ray start --head`") as error:
+        executor.connect()
+    assert "\n" not in error.value.reason

@@ -432,7 +432,12 @@ class RayExecutor(Executor):
         if self.address is None:
             ray.init(include_dashboard=False, log_to_driver=False, logging_level="warning")
         else:
-            ray.init(address=self.address, log_to_driver=False, logging_level="warning")
+            try:
+                ray.init(address=self.address, log_to_driver=False, logging_level="warning")
+            except ConnectionError as exc:  # no cluster there (Ray's message names where it looked)
+                raise KforgeError(f"--address {self.address}: no Ray cluster to join ({' '.join(str(exc).split())}); "
+                                  "start one with `ray start --head`, or leave --address out for a local one") \
+                    from None
         self._connected_here = True
 
     def close(self) -> None:
