@@ -245,8 +245,9 @@ def test_a_worker_cpu_this_process_may_not_use_is_refused_up_front():
 @pytest.mark.slow
 def test_2d_forged_timings_are_caught_by_the_judges_clock(judge, candidate):
     # Each call really sleeps 30 ms and claims 0.02 ms: without the cross-check, "passed"
-    # with a ~3x speedup.
-    record = judge(candidate)
+    # with a ~3x speedup. (Two seconds a pass: at ~80 ms a round, half a second left a busy
+    # CPU 4 rounds, too few for the check's standard errors to clear a 30 ms lie.)
+    record = judge(candidate, timing=TimingConfig(budget_s=2.0))
     assert record.gate1["passed"], "its outputs are right: only the timings are forged"
     if on_gpu(record) and candidate == "judge_forge_clock":
         # a frozen host clock decides nothing on a GPU: the call costs the device's time
