@@ -92,6 +92,11 @@ def test_resources_reports_each_kernel_and_a_compile_error_is_one_line(tmp_path)
     failed = kforge("resources", bad, cwd=tmp_path)
     assert failed.returncode == 2
     assert failed.stderr.splitlines()[0] == 'error: bad.cu does not compile: bad.cu:2: error: identifier "nope" is undefined'
+    # a Python file is not fed to NVRTC (33 lines of its errors, once)
+    (tmp_path / "kernel.py").write_text("import triton\n")
+    python = kforge("resources", "kernel.py", cwd=tmp_path)
+    assert python.returncode == 2 and python.stderr.splitlines() == [
+        "error: kernel.py is not a CUDA source (.cu): `kforge resources` compiles CUDA with NVRTC"]
 
 
 def test_the_ladder_problem_takes_the_requested_size_and_refuses_unknown_constants():

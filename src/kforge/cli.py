@@ -1063,6 +1063,11 @@ def resources_command(
     from kforge.runtime.cuda import compile_cuda, resources
 
     sources = sources or sorted((Path(__file__).parent / "kernels").rglob("*.cu"))
+    for source in sources:
+        if not source.is_file():
+            raise KforgeError(f"no such file: {source}")
+        if source.suffix not in (".cu", ".cuh"):
+            raise KforgeError(f"{source} is not a CUDA source (.cu): `kforge resources` compiles CUDA with NVRTC")
     table = Table(title=f"kernel resources for {arch} (ptxas via NVRTC; cuobjdump)", title_justify="left")
     for column in ("source", "kernel", "registers", "shared B", "stack B", "spill stores B", "spill loads B"):
         table.add_column(column, justify="left" if column in ("source", "kernel") else "right")
