@@ -78,6 +78,12 @@ def test_ladder_errors_are_one_line_and_exit_2(tmp_path):
         no_gpu = kforge("ladder", "gemm", cwd=tmp_path)
         assert no_gpu.returncode == 2 and "no CUDA device" in no_gpu.stderr
         assert "Traceback" not in no_gpu.stderr
+        # and what the machine can do instead, for the command that was asked
+        assert "`kforge resources` compiles the rungs" in no_gpu.stderr
+        abstraction = kforge("ladder", "abstraction", cwd=tmp_path)
+        assert abstraction.returncode == 2 and "--compile-only compiles every rung" in abstraction.stderr
+        bench = kforge("bench", "attention", cwd=tmp_path)
+        assert bench.returncode == 2 and "--replot redraws the chart" in bench.stderr and "rungs" not in bench.stderr
 
 
 @pytest.mark.slow

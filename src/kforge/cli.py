@@ -486,7 +486,8 @@ def ladder_command(
     if replot:
         records, device_name, size_text = _ladder_records(results)
     else:
-        require_gpu()
+        require_gpu("On a CPU machine, `kforge resources` compiles the rungs and reports their registers, and "
+                    "--replot redraws the chart from the records already there.")
         steps = ladder.sweep() if sweep else ladder.steps(rungs.split(",") if rungs else None)
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                       console=err, disable=not show_progress(json_output)) as progress:
@@ -544,7 +545,7 @@ def abstraction_ladder(ladder, size: int, rungs: str | None, time_budget: float,
     if replot:
         records, device_name, size_text = _ladder_records(results)
     elif not compile_only:
-        require_gpu()
+        require_gpu("On a CPU machine, --compile-only compiles every rung and reports its registers.")
     for line in skipped:
         err.print(line, markup=False, highlight=False)
     compiled = {}

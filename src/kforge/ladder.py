@@ -174,12 +174,13 @@ def sweep_label(number: int, defines: Mapping[str, int]) -> str:
 
 
 
-def require_gpu() -> None:
+def require_gpu(hint: str = "On a CPU machine, --replot redraws the chart from the records already there, and "
+                             "`kforge resources` compiles the CUDA kernels and reports their registers.") -> None:
+    """Raise a one-line KforgeError (with `hint`, what a CPU machine can do instead) when there is no GPU."""
     import torch
 
     if not torch.cuda.is_available():
-        raise KforgeError("this command runs CUDA kernels and this machine has no CUDA device",
-                          "On a CPU machine, `kforge resources` compiles the rungs and reports their registers.")
+        raise KforgeError("this command runs CUDA kernels and this machine has no CUDA device", hint)
 
 
 def run_ladder(ladder: Ladder, size: int, steps: list[tuple[str, Candidate]], *, time_budget: float,
