@@ -245,7 +245,11 @@ def suite_view(summary, device_name: str, results_path: str) -> Group:
         f"   ({summary.correct}/{len(summary.rows)} correct; geometric-mean speedup of the correct: "
         + (f"{summary.geomean_speedup:.3f}x)" if summary.geomean_speedup else "-)"),
     )
-    note = Text(f"{summary.ran} pair(s) evaluated now, the rest read from {results_path}", style="dim")
+    stored = len(summary.rows) - summary.ran
+    note = Text(f"none evaluated now: every pair's record read from {results_path} (--force evaluates again)"
+                if not summary.ran else f"{summary.ran} pair(s) evaluated now, recorded in {results_path}"
+                if not stored else f"{summary.ran} pair(s) evaluated now, {stored} read from {results_path}",
+                style="dim")
     return Group(table, scores, note)
 
 
