@@ -321,7 +321,8 @@ def suite_command(
                              "by commas (e.g. softmax_bf16,topk_fp32).", show_default=False),
     gpus: str = typer.Option(None, help="GPUs to use, e.g. 0,1: one worker on each at a time. "
                              "Default: every visible GPU, or the CPU where there is none.", show_default=False),
-    resume: bool = typer.Option(False, help="Continue the run stored in --results (it must exist)."),
+    resume: bool = typer.Option(False, help="Insist that --results exists (every run skips the pairs recorded "
+                                "there; this makes a mistyped path an error, not a fresh run)."),
     force: bool = typer.Option(False, help="Evaluate every pair again; new records are appended and "
                                "the latest counts."),
     results: Path = typer.Option(None, dir_okay=False,
