@@ -68,6 +68,10 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 COLUM
 export KFORGE_CACHE_DIR="${KFORGE_CACHE_DIR:-/tmp/kforge-cache}"
 parts=" ${PARTS:-tests examples ladder sweep ladder-bf16 sweep-bf16 bench-gemm bench-attention bench-serving} "
 out="${OUT:-$PWD/gpu-out}"
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu_check.sh: no NVIDIA GPU on this machine (nvidia-smi finds none): it runs on the device machine" >&2
+  exit 2
+fi
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$out/nvidia-smi.csv"
 python3 -c "import torch, triton, cuda.core; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda, 'cuda.core', cuda.core.__version__)"

@@ -32,3 +32,17 @@ def test_every_part_the_script_runs_is_in_its_header():
 def test_every_python_script_parses():
     for script in sorted((REPO / "scripts").glob("*.py")):
         ast.parse(script.read_text(), filename=str(script))
+
+
+def test_on_a_machine_without_a_gpu_it_stops_at_once_with_one_line(tmp_path):
+    import shutil
+
+    import pytest
+
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has nvidia-smi")
+    done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "PARTS": "examples"})
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "gpu_check.sh: no NVIDIA GPU on this machine (nvidia-smi finds none): it runs on the device machine"]
+    assert not (tmp_path / "out").exists(), "nothing measured, nothing written"
