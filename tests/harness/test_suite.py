@@ -11,6 +11,7 @@ import time
 import pytest
 
 from conftest import FIXTURES
+from kforge.errors import KforgeError
 from kforge.harness.isolation import StageLimits
 from kforge.harness.suite import Pair, ResultStore, discover, run_suite, summarize
 from kforge.harness.timing import TimingConfig
@@ -45,6 +46,10 @@ def test_discover_matches_solutions_by_file_name(tmp_path):
     (tmp_path / "s" / "two.py").write_text("")
     pairs = discover(tmp_path / "p", tmp_path / "s")
     assert [(p.name, p.candidate is not None) for p in pairs] == [("one", False), ("two", True)]
+    with pytest.raises(KforgeError, match=r"one.py is a file: a suite takes a problems folder"):
+        discover(tmp_path / "p" / "one.py", tmp_path / "s")
+    with pytest.raises(KforgeError, match=r"no solutions folder: .*/nowhere"):
+        discover(tmp_path / "p", tmp_path / "nowhere")
 
 
 def make_suite(tmp_path, solutions: dict[str, str]):

@@ -51,10 +51,11 @@ class Pair:
 
 def discover(problems_dir: Path, solutions_dir: Path) -> list[Pair]:
     """Every problem file (*.py, not starting with '_'), with the solution of the same name."""
-    if not problems_dir.is_dir():
-        raise KforgeError(f"no problems folder: {problems_dir}")
-    if not solutions_dir.is_dir():
-        raise KforgeError(f"no solutions folder: {solutions_dir}")
+    for folder, what in ((problems_dir, "problems"), (solutions_dir, "solutions")):
+        if folder.is_file():
+            raise KforgeError(f"{folder} is a file: a suite takes a {what} folder (`kforge eval` takes one file)")
+        if not folder.is_dir():
+            raise KforgeError(f"no {what} folder: {folder}")
     problems = sorted(p for p in problems_dir.glob("*.py") if not p.name.startswith("_"))
     if not problems:
         raise KforgeError(f"no problem files in {problems_dir}")
