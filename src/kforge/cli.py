@@ -567,7 +567,8 @@ def abstraction_ladder(ladder, size: int, rungs: str | None, time_budget: float,
             device_name = records[0].device["name"]
     rows = abstraction_rows(ladder, records, compiled)
     rate_unit = "TFLOP/s" if ladder.kernel == "gemm" else "GB/s"
-    title = f"abstraction ladder, {ladder.kernel} bf16, {size_text} on {device_name}: vs {ladder.library}"
+    title = (f"abstraction ladder, {ladder.kernel} bf16: compiled for sm_90a, nothing run" if compile_only
+             else f"abstraction ladder, {ladder.kernel} bf16, {size_text} on {device_name}: vs {ladder.library}")
     if json_output:
         print_json({"title": title, "library": ladder.library, "rate_unit": rate_unit, "rows": rows,
                     "skipped": skipped})

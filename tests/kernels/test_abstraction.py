@@ -301,6 +301,7 @@ def test_compile_only_prints_lines_and_compile_time_of_every_level_without_a_gpu
     for tool in ("triton", "gluon", "cuda"):
         assert f"│ {tool}" in done.stdout
     assert "NOT RUN" in done.stdout and " s │" in done.stdout
+    assert "softmax bf16: compiled for sm_90a, nothing run" in done.stdout  # no device's name on what ran nowhere
 
 
 @pytest.mark.slow
