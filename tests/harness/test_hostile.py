@@ -257,7 +257,10 @@ def test_2d_forged_timings_are_caught_by_the_judges_clock(judge, candidate):
     assert record.defences == ["timing_claims"], record.defences
     claims = record.gate2["claims"]
     assert record.gate2["stats"]["candidate"]["median_ms"] == pytest.approx(0.02, abs=0.005)
-    assert 20 < claims["excess_ms"] and claims["allowed_ms"] < 6, claims
+    # the 30 ms lie clears the allowance (5 ms + 4 standard errors of the reference's own gaps:
+    # 6 ms on a quiet host, up to 11 seen on a loaded one) by a wide margin
+    assert claims["excess_ms"] > 20 and claims["excess_ms"] > claims["allowed_ms"] and claims["allowed_ms"] < 15, \
+        claims
     assert claims["passes"] == 2 and "on each of 2 passes" in record.reason, "confirmed on fresh draws"
 
 
@@ -266,13 +269,14 @@ def test_2d_a_claims_check_fired_once_is_confirmed_before_it_rejects(judge):
     # Forged on the first pass only: the check fires, the second pass (fresh draws) finds the
     # honest 30 ms a call, and that pass's timings are the record's. A busy host's moment
     # costs an honest candidate a second pass, not a false "rejected"; a forger gains nothing.
-    record = judge("judge_forge_first_pass")
+    record = judge("judge_forge_first_pass", timing=TimingConfig(budget_s=2.0))  # (0.5 s: ~7 rounds, or 5)
     if on_gpu(record):  # it forges the host timer only, which decides nothing on a GPU
         assert_costs_its_real_time(record)
         return
     assert record.status == "slower", record.reason
     assert "timing_claims" not in record.defences, record.defences
-    assert record.gate2["claims"]["passes"] == 2 and record.gate2["claims"]["excess_ms"] < 6, record.gate2["claims"]
+    claims = record.gate2["claims"]
+    assert claims["passes"] == 2 and claims["excess_ms"] <= claims["allowed_ms"], claims
     assert record.gate2["stats"]["candidate"]["median_ms"] > 25, "the second pass's honest timings"
     assert any("fired on a first pass" in w for w in record.warnings), record.warnings
 

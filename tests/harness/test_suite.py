@@ -13,7 +13,7 @@ import pytest
 from conftest import FIXTURES
 from kforge.errors import KforgeError
 from kforge.harness.isolation import StageLimits
-from kforge.harness.suite import Pair, ResultStore, discover, run_suite, summarize
+from kforge.harness.suite import CORRECT_STATUSES, Pair, ResultStore, discover, run_suite, summarize
 from kforge.harness.timing import TimingConfig
 
 
@@ -73,7 +73,9 @@ def test_crashing_hanging_and_oom_candidates_leave_the_suite_running(tmp_path, c
     options = dict(timing=TimingConfig(budget_s=0.3), ceilings=cpu_ceilings, size="full",
                    limits=StageLimits(load_s=20, gate1_s=20, gate2_s=5))
     summary = run_suite(discover(problems, sols), store, slots=[None], device_name=cpu.name, options=options)
-    assert [row.status for row in summary.rows] == ["crash", "timeout", "oom", "passed"]
+    # (the fine pair's verdict is a shared CPU's clock's: a tie in 5 of 15 runs under load)
+    assert [row.status for row in summary.rows][:3] == ["crash", "timeout", "oom"]
+    assert summary.rows[3].status in CORRECT_STATUSES, summary.rows[3]
     assert summary.ran == 4 and len(store.latest()) == 4
 
 
@@ -156,9 +158,10 @@ def test_a_suite_of_honest_crashing_hanging_forging_and_leaking_candidates_ends_
     done = subprocess.run(SUITE_CMD + ["--stage-timeout", "30", "--json"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)
     rows = {row["name"]: row for row in json.loads(done.stdout)["rows"]}
-    assert {name: row["status"] for name, row in rows.items()} == {
-        "a_honest": "passed", "b_crash": "crash", "c_hang": "timeout", "d_forge": "rejected",
-        "e_leak": "passed", "f_honest": "passed"}, rows
+    honest = {"a_honest", "e_leak", "f_honest"}  # correct; their verdicts are a shared CPU's clock's
+    assert all(rows[name]["status"] in CORRECT_STATUSES for name in honest), rows
+    assert {name: row["status"] for name, row in rows.items() if name not in honest} == {
+        "b_crash": "crash", "c_hang": "timeout", "d_forge": "rejected"}, rows
     assert rows["d_forge"]["defences"] == ["timing_claims"]
     assert done.returncode == 1, "not every pair passed"
     # the leaking candidate's daemon is gone, and wrote nothing

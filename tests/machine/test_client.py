@@ -35,8 +35,8 @@ def test_http_500_and_429_are_retried_then_the_reply_counts():
 
 
 def test_a_timeout_is_retried():
-    with ReplayServer({"s0/t0": [("sleep", 1.5, "no_code"), "no_code"]}) as server:
-        reply = client_for(server.url, request_timeout=0.5).complete(MESSAGES, "run/s0/t0")
+    with ReplayServer({"s0/t0": [("sleep", 5.0, "no_code"), "no_code"]}) as server:
+        reply = client_for(server.url, request_timeout=2.0).complete(MESSAGES, "run/s0/t0")
     assert reply.text == reply_text("no_code") and reply.usage["requests"] == 2
 
 

@@ -40,7 +40,7 @@ def machine(tmp_path, cpu, cpu_ceilings):
             judged.append(candidate)
             speedup = 2.0 if candidate.read_text() == CORRECT else 0.5
             return evaluate_isolated(problem, candidate, gpu=gpu, device_name=cpu.name, ceilings=cpu_ceilings,
-                                     timing=scripted_timing(speedup, budget_s=1.0),
+                                     timing=scripted_timing(speedup, budget_s=5.0),  # (1 s: 7-9 rounds, or 5)
                                      limits=StageLimits(load_s=60, gate1_s=60, gate2_s=60))
 
         settings = Settings(**{"problem": PROBLEM, "backend": "triton", "model": "replay", **settings})
