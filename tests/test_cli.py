@@ -69,7 +69,8 @@ def test_a_candidates_words_are_printed_as_text_not_markup(cli, write):
     # rich markup in an error message once crashed the verdict's table (and then the internal
     # error's handler, on the same text): exit 1 and a traceback where a candidate error is 2
     candidate = write("markup.py", "import torch\nclass ModelNew(torch.nn.Module):\n"
-                                   "    def forward(self, x):\n        raise RuntimeError('[/] [bold]not bold[/bold]')\n")
+                                   "    def forward(self, x):\n"
+                                   "        raise RuntimeError('[/] [bold]not bold[/bold]')\n")
     result = cli("eval", ROW_SUMS, candidate)
     assert result.returncode == 2, result.stderr
     assert "CANDIDATE ERROR" in result.stdout and "[/] [bold]not bold[/bold]" in " ".join(result.stdout.split())

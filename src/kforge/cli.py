@@ -109,7 +109,7 @@ def save_chart_or_say(save, *args, **kwargs) -> None:
                   highlight=False)
         return
     path = save(*args, **kwargs)
-    err.print(f"chart saved to {path}", style="dim", highlight=False)
+    err.print(f"chart saved to {path}", style="dim", markup=False, highlight=False)
 
 
 def _version(value: bool) -> None:
@@ -1139,7 +1139,8 @@ def _load_llama(model: str, json_output: bool = False, weights: str = "bf16", qu
         need, have = PRESETS[model].parameter_count() * dtype.itemsize, current_device("cpu").memory_bytes
         if have and need > have // 2:  # random weights drawn in place, then the step's buffers: it would swap
             raise ModelError(f"no CUDA device: {model}'s weights need {need / 1e9:.0f} GB in {str(dtype)[6:]} on "
-                             f"this CPU, which has {have / 1e9:.0f} GB; a CPU runs the small presets (--model tiny)")
+                             f"this CPU, more than half of its {have / 1e9:.0f} GB; a CPU runs the small presets "
+                             "(--model tiny)")
     with working(f"loading {model}", json_output):
         if model in PRESETS:
             return random_model(model, dtype=dtype, device=device, weights=weights,
@@ -1293,7 +1294,7 @@ def report_command(
         text = results_markdown(results_dir)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text)
-    err.print(f"wrote {output}", style="dim")
+    err.print(f"wrote {output}", style="dim", markup=False)
 
 
 WORKLOG_LAYOUT = ("FOLDER/problem.py (the reference, required); FOLDER/plan.md (the plan, written before any "
@@ -1341,8 +1342,8 @@ def worklog_command(
         err.print(f"note: {folder / 'worklog.md'} was not written by kforge, so it is left as it is",
                   markup=False, highlight=False)
     for chart in written.charts:
-        err.print(f"chart saved to {chart}", style="dim", highlight=False)
-    err.print(f"wrote {written.path}", style="dim", highlight=False)
+        err.print(f"chart saved to {chart}", style="dim", markup=False, highlight=False)
+    err.print(f"wrote {written.path}", style="dim", markup=False, highlight=False)
 
 
 class MachineBackend(str, Enum):

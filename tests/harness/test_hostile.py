@@ -141,7 +141,7 @@ def test_2c_the_first_of_a_rounds_two_calls_is_re_checked_too(judge):
 @pytest.mark.slow
 def test_2c_a_free_second_call_on_the_same_inputs_buys_no_speedup(cpu, cpu_ceilings):
     # The candidate answers a repeat of its inputs from its last output: always right, and its
-    # second call of each round nearly free. Only each side's first call of a round counts.
+    # second call of each round nearly free. That call counts as the reference's repeat does.
     problem = EXAMPLES / "problems" / "vector_add.py"  # ~1 ms a call on a CPU
     record = evaluate_isolated(problem, FIXTURES / "candidates" / "judge_memo_second_call.py",
                                timing=TimingConfig(budget_s=2.0), ceilings=cpu_ceilings, size="full",
@@ -159,8 +159,7 @@ def test_2c_a_helper_process_stays_stopped_through_gate_2(judge):
     # from gate 2 on only the worker's own process is woken, so no helper works during a
     # round's `prepare` on another core (the fixture's timed calls fail if it ran).
     record = judge("judge_helper_process")
-    assert record.status in CORRECT, record.reason
-    assert record.gate2 is not None and record.gate2["rounds"] >= 30
+    assert record.status in CORRECT and record.gate2 is not None, record.reason
 
 
 @pytest.mark.slow
@@ -523,3 +522,14 @@ def test_4g_the_shared_arena_cannot_be_cut_short_to_crash_the_reference(judge):
     record = judge("outlive_truncate_arena")
     assert record.status == "incorrect", record.reason
     assert record.gate1 is not None and not record.gate1["passed"], record.gate1
+
+
+@pytest.mark.slow
+def test_4h_an_arena_shortened_another_way_is_the_candidates_doing(judge):
+    # fallocate's collapse-range shortens a file without the truncate right: the reference's
+    # worker dies reading the arena, and the judge, finding it shorter than made, blames the
+    # candidate (or, on a filesystem that refuses the collapse, the candidate is just wrong)
+    record = judge("outlive_collapse_arena")
+    assert record.status in ("rejected", "incorrect"), record.reason
+    if record.status == "rejected":
+        assert record.defences == ["arena_length"] and "cut the shared arena short (from " in record.reason, record

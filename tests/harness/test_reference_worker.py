@@ -1,5 +1,6 @@
 """The reference worker's fingerprint of its own state: what the judge checks after every stage."""
 
+import builtins
 import sys
 
 import torch
@@ -92,3 +93,21 @@ def test_restore_writes_the_rounds_inputs_back_into_the_arena(tmp_path):
     assert not torch.equal(ref.slot[0], ref.pristine[0])
     ref.restore()
     assert torch.equal(ref.slot[0], ref.pristine[0])
+
+
+def test_outputs_are_described_by_their_types_identity_not_their_names():
+    # A subclass may take torch.Tensor's or tuple's name and do its work when the worker copies
+    # or iterates it, after the clock: described as what it is, it fails the structure check.
+    class Tensor(torch.Tensor):
+        pass
+
+    class tuple(builtins.tuple):  # noqa: A001  (named as the builtin it pretends to be)
+        pass
+
+    Tensor.__module__, Tensor.__qualname__ = "torch", "Tensor"
+    plain = torch.ones(2)
+    assert describe_output(plain)["output"]["type"] == "torch.Tensor"
+    assert describe_output(plain.as_subclass(Tensor))["output"]["type"].startswith("subclass torch.Tensor")
+    assert describe_output((plain, [plain])) == {"tuple": [describe_output(plain), {"list": [describe_output(plain)]}]}
+    assert describe_output(tuple((plain,))) == {"other": "test_outputs_are_described_by_their_types_identity_not_"
+                                                         "their_names.<locals>.tuple"}

@@ -8,7 +8,7 @@ import pytest
 from kforge.harness.suite import SuiteRow, fast, summarize, Pair
 from kforge.harness.timing import StopRule, TimingConfig
 from kforge.harness.verdict import (CPU_DEVICE_FLOOR, HOST_BOUND_FLOOR, escape_probability, judge_speed,
-                                    median_interval)
+                                    median_interval, round_ratios)
 
 
 def _noisy(base_ms: float, n: int, spread: float, seed: int) -> list[float]:
@@ -144,21 +144,28 @@ def test_the_probability_of_escaping_the_rechecks():
     assert escape_probability(0.5, 0.02, 60) > 0.03  # the old 2% rate lost this lottery
 
 
-def test_each_rounds_speedup_is_the_first_calls_and_a_free_second_call_buys_nothing():
-    # Round i's speedup is reference / candidate, each side's first call on the round's inputs;
-    # the A/A ratio sets the floor and the candidate's own B/B ratio only goes on the record.
+def test_two_candidate_calls_a_round_are_summed_and_a_free_repeat_buys_nothing():
+    # Round i's speedup is (reference + reference_aa) / (candidate + candidate_bb), the
+    # candidate's second call counted no less than its first times the reference's repeat
+    # ratio; the A/A ratio sets the floor and the candidate's own B/B ratio only goes on the record.
     reference, again = [10.0] * 8, [10.0] * 8
     candidate, candidate_again = [5.0] * 8, [5.0, 4.0] * 4
+    assert round_ratios(reference, candidate, again, candidate_again) == [2.0] * 8
     verdict = judge_speed(reference, candidate, again, candidate_again)
     assert verdict.speedup == 2.0 and verdict.status == "faster"
     assert verdict.aa_ratio == 1.0 and verdict.bb_ratio == pytest.approx((1.0 + 1.25) / 2)
-    # a candidate that keeps its last output answers its second call (same inputs) in no time:
-    # summed with the first, as the rounds once were, that tie would have read 1.9x
+    # a candidate that keeps its last output answers its repeat (same inputs) in no time: summed
+    # as it came, that tie would read 1.9x; its repeat counts as the reference's does, so 1.0x
     memo = judge_speed(reference, [10.0] * 8, again, [0.5] * 8)
     assert memo.speedup == 1.0 and memo.status == "tie" and memo.bb_ratio == 20.0
+    # where the reference's own repeat is quicker (warm caches), the candidate's may be as quick
+    warm = round_ratios([10.0] * 4, [10.0] * 4, [8.0] * 4, [8.0] * 4)
+    assert warm == [1.0] * 4
     # a candidate whose second call wanders cannot raise the floor the verdict uses
     wild = judge_speed(reference, [5.0] * 8, again, [20.0, 1.0] * 4)
     assert wild.noise_floor == 0.01 and wild.bb_ratio != pytest.approx(1.0)
+    with pytest.raises(ValueError, match="two reference calls"):
+        round_ratios(reference, candidate, None, candidate_again)
 
 
 class _Clock:

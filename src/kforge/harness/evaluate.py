@@ -40,7 +40,7 @@ from kforge.harness.problem import SIZES, Problem, load_problem
 from kforge.harness.record import EvalRecord
 from kforge.harness.roofline import Ceilings, Roofline, get_ceilings, roofline_for
 from kforge.harness.timing import CallProfile, TimingConfig, TimingRun, time_interleaved
-from kforge.harness.verdict import HOST_BOUND_SHARE, Verdict, judge_speed, paired_ratios
+from kforge.harness.verdict import HOST_BOUND_SHARE, Verdict, judge_speed, paired_ratios, round_ratios
 from kforge.runtime.interpreter import interpreter_active, mend_interpreter
 
 BASELINES = ("eager", "compile")
@@ -333,7 +333,7 @@ def gate2_fields(status: str, run: TimingRun, verdict: Verdict, **extra) -> dict
     """The record's gate 2: the verdict (speedup, interval, noise floor), the timing run, and
     the paired per-round ratios (4 significant digits) the verdict came from."""
     calls = run.per_call
-    ratios = {"candidate": _rounded(paired_ratios(calls["reference"], calls["candidate"]))}
+    ratios = {"candidate": _rounded(round_ratios(calls["reference"], calls["candidate"], calls.get(AA), calls.get(BB)))}
     if AA in calls:
         ratios[AA] = _rounded(paired_ratios(calls["reference"], calls[AA]))
     if BB in calls:

@@ -388,7 +388,8 @@ class Judge:
             self._ask_reference({"op": "draw", "seed": derive_seed(self.seed, f"round{attempt or ''}", rounds)})
             null = self._ask_reference({"op": "time", "null": True})
             raw["null"].append(scripted(config, "null", rounds, _clocks(null.get("clocks"), "null")))
-            order = ["reference", "candidate", AA, BB] if self.rng.random() < 0.5 else ["candidate", "reference", BB, AA]
+            order = (["reference", "candidate", AA, BB] if self.rng.random() < 0.5
+                     else ["candidate", "reference", BB, AA])
             claims: list[dict] = []
             for name in order:
                 if name in ("candidate", BB):
@@ -479,6 +480,10 @@ class Judge:
                 raise Ended("timeout", f"{self.stage} ran past its {self._limit():g} s limit in the reference "
                                        "worker (the problem's code); the workers were killed",
                             details=self.reference.tail()) from None
+            if shrunk := self._arena_shrunk():  # the reference's worker died of reading past its end (SIGBUS)
+                raise Ended("rejected", f"the candidate's worker cut the shared arena short ({shrunk}): the "
+                                        f"reference worker died reading it during {self.stage}",
+                            details=self.reference.tail(), defences=("arena_length",)) from None
             raise Ended("crash", f"the reference worker failed during {self.stage}: {exc.reason}",
                         details=self.reference.tail()) from None
         if "error" in reply:
@@ -516,6 +521,20 @@ class Judge:
         if timed:
             self._check_cpus()
         return reply
+
+    def _arena_shrunk(self) -> str | None:
+        """How the CPU arena's file was cut short, or None: the candidate's worker may write its
+        bytes but not truncate it (Landlock), and fallocate's collapse-range, which Landlock does
+        not cover, is caught here, after the fact (a file shortened under a mapping kills its
+        reader). Only the candidate's worker writes the file besides the reference's."""
+        arena = (getattr(self, "setup", None) or {}).get("arena") or {}
+        if arena.get("kind") != "file":
+            return None
+        try:
+            size = os.stat(self.arena_file).st_size
+        except OSError:
+            return "its file is gone"
+        return f"from {arena['nbytes']:,} bytes to {size:,}" if size < arena["nbytes"] else None
 
     def _check_cpus(self) -> None:
         """Both workers still on the CPU they were given: a faster CPU is a faster

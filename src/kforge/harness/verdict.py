@@ -4,9 +4,17 @@ Every timed round calls the reference and the candidate twice each, alternating 
 judge's rounds: reference, candidate, reference again, candidate again, or the mirror
 order), on one fresh input set. Each round gives a speedup and two control ratios:
 
-    ratio_i = (reference_i + reference_aa_i) / (candidate_i + candidate_bb_i)
+    ratio_i = (reference_i + reference_aa_i) / (candidate_i + max(candidate_bb_i, candidate_i * repeat_i))
+    repeat_i = reference_aa_i / reference_i   the reference's second call against its first
     aa_i    = reference_i / reference_aa_i    the apparatus against itself (A/A)
     bb_i    = candidate_i / candidate_bb_i    the candidate against itself (recorded)
+
+The second calls run on inputs their side has just seen. A candidate's second call counts no
+less than its first scaled by the reference's own repeat (`repeat_i`): one that keeps its last
+output by the inputs' content answers its repeat for free, and with the plain sum it passed at
+1.63x on a CPU while its medians said it was the slower (judge_memo_second_call.py); now it is
+judged on its first call. An honest candidate's second call, which repeats as the reference's
+does, loses only where the round's noise makes it the quicker of the two.
 
 Two calls a side, alternating, give both workers the same rhythm: each call follows one
 call of the other side. With the reference timed twice and the candidate once, the
@@ -135,19 +143,30 @@ def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> l
     return [a / b if b > 0 else math.inf for a, b in zip(numerator, denominator)]
 
 
+def round_ratios(reference: Sequence[float], candidate: Sequence[float], again: Sequence[float] | None = None,
+                 candidate_again: Sequence[float] | None = None) -> list[float]:
+    """Each round's speedup: both calls of each side summed, the candidate's second counted no
+    less than its first times the reference's repeat ratio (the module's docstring); the
+    reference's time over the candidate's where the candidate was timed once a round."""
+    if candidate_again is None:
+        return paired_ratios(reference, candidate)
+    if again is None or not len(reference) == len(candidate) == len(again) == len(candidate_again):
+        raise ValueError("a round with two candidate calls needs two reference calls of the same rounds")
+    return paired_ratios([r + r2 for r, r2 in zip(reference, again)],
+                         [c + max(c2, c * r2 / r if r > 0 else c2)
+                          for r, r2, c, c2 in zip(reference, again, candidate, candidate_again)])
+
+
 def judge_speed(reference: Sequence[float], candidate: Sequence[float], again: Sequence[float] | None = None,
                 candidate_again: Sequence[float] | None = None, *, min_speedup: float | None = None,
                 min_noise_floor: float = MIN_NOISE_FLOOR, host_bound: bool = False,
                 cpu_device: bool = False) -> Verdict:
     """The verdict from per-round times (ms) of the reference, the candidate, the
-    reference's A/A call and the candidate's second call, all of the same rounds, in order.
-    Each round's speedup is its first two: each side's first call on the round's inputs. A
-    second call on the same inputs decides nothing, or a candidate that keeps its last output
-    by the inputs' content would halve its time (judge_memo_second_call.py); the A/A pair
-    gives the noise floor, the B/B pair is recorded. `host_bound`: the two sides ran in two processes and a side's calls were bounded by
-    its host; the floor is then at least HOST_BOUND_FLOOR. `cpu_device`: the two processes
-    ran on a CPU device; the floor is then at least CPU_DEVICE_FLOOR."""
-    ratios = paired_ratios(reference, candidate)
+    reference's A/A call and the candidate's second call, all of the same rounds, in order
+    (`round_ratios`). `host_bound`: the two sides ran in two processes and a side's calls were
+    bounded by its host; the floor is then at least HOST_BOUND_FLOOR. `cpu_device`: the two
+    processes ran on a CPU device; the floor is then at least CPU_DEVICE_FLOOR."""
+    ratios = round_ratios(reference, candidate, again, candidate_again)
     if not ratios:
         raise ValueError("no timed rounds")
     aa_ratio = None

@@ -12,7 +12,8 @@ the judge who survived. It never imports torch or kforge: it starts in milliseco
 holds nothing worth attacking.
 
 Job (first line on stdin, JSON): argv, env, writable and fixed_size (containment.confine),
-pass_fds, log (the worker's stdout and stderr), lock_affinity (no process of the worker's may change a CPU affinity). Replies on stdout:
+pass_fds, log (the worker's stdout and stderr), lock_affinity (no process of the worker's may change a CPU
+affinity). Replies on stdout:
 {"spawned": pid, "confinement": {...}, "affinity_locked": bool} once, then
 {"survivors": [...], "exit": status} after each {"op": "kill"}.
 """
