@@ -12,7 +12,7 @@ order), on one fresh input set. Each round gives a speedup and two control ratio
 The second calls run on inputs their side has just seen. A candidate's second call counts no
 less than its first scaled by the reference's own repeat (`repeat_i`): one that keeps its last
 output by the inputs' content answers its repeat for free, and with the plain sum it passed at
-1.63x on a CPU while its medians said it was the slower (judge_memo_second_call.py); now it is
+1.4-1.6x on a CPU while its medians said it was the slower (judge_memo_second_call.py); now it is
 judged on its first call. An honest candidate's second call, which repeats as the reference's
 does, loses only where the round's noise makes it the quicker of the two.
 
