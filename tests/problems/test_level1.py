@@ -33,13 +33,18 @@ def test_problem_declares_its_cost_tolerance_tiny_size_and_level(name):
     assert "level1" in problem.tags
 
 
+# Gate 1 on fixed draws: a CI run must not fail by chance (over 200 random seeds the worst error of
+# mlp_stack_bf16's solution reached 0.88 of its tolerance; the GPU tests draw afresh).
+SEED = 20261130
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.slow
 def test_solution_passes_gate_1_at_the_tiny_size_on_a_cpu(name, cpu, cpu_ceilings):
     solution = SOLUTIONS / f"{name}.py"
     if not solution.is_file():
         pytest.fail(f"no solution file {solution.relative_to(SOLUTIONS.parent.parent)} for problem {name}")
-    record = evaluate(PROBLEMS / f"{name}.py", solution, device=cpu, ceilings=cpu_ceilings, timing=QUICK)
+    record = evaluate(PROBLEMS / f"{name}.py", solution, device=cpu, ceilings=cpu_ceilings, timing=QUICK, seed=SEED)
     assert record.problem["size"] == "tiny"
     assert record.gate1 and record.gate1["passed"], record.reason
     assert not record.defences, record.defences

@@ -62,13 +62,18 @@ def test_w4a16_reference_dequantizes_as_the_int4_format_says():
     assert torch.equal(model(x), torch.nn.functional.linear(x, weight))
 
 
+# Gate 1 on fixed draws: a CI run must not fail by chance (over 200 random seeds the worst error of
+# mlp_stack_bf16's solution reached 0.88 of its tolerance; the GPU tests draw afresh).
+SEED = 20261130
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.slow
 def test_solution_passes_gate_1_at_the_tiny_size_on_a_cpu(name, cpu, cpu_ceilings):
     if _missing_kernel(name):
         pytest.skip(f"{_missing_kernel(name)} is not in the tree yet")
     record = evaluate(PROBLEMS / f"{name}.py", SOLUTIONS / f"{name}.py", device=cpu, ceilings=cpu_ceilings,
-                      timing=QUICK)
+                      timing=QUICK, seed=SEED)
     assert record.problem["size"] == "tiny"
     assert record.gate1 and record.gate1["passed"], record.reason
     assert not record.defences, record.defences

@@ -64,12 +64,17 @@ def test_mlp_stack_figures_by_hand():
     assert problem.module.bytes_moved([x]) == 2 * (weights + 3 * 128 + 64 + 13 * (64 + 64))
 
 
+# Gate 1 on fixed draws: a CI run must not fail by chance (over 200 random seeds the worst error of
+# mlp_stack_bf16's solution reached 0.88 of its tolerance; the GPU tests draw afresh).
+SEED = 20261130
+
+
 @pytest.mark.skipif(not interpreter_active(), reason="runs the Triton kernels under the interpreter")
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.slow
 def test_solution_passes_gate_1_at_the_tiny_size(name, cpu, cpu_ceilings):
     record = evaluate(PROBLEMS / f"{name}.py", SOLUTIONS / f"{name}.py", device=cpu, ceilings=cpu_ceilings,
-                      timing=ONE_ROUND)
+                      timing=ONE_ROUND, seed=SEED)
     assert record.gate1 and record.gate1["passed"], record.reason
     assert record.problem["size"] == "tiny" and record.gate1["trials_passed"] == 7
     assert record.status in ("passed", "tie", "slower"), record.reason  # no defence fired; speed on a CPU is moot
