@@ -223,6 +223,7 @@ class Judge:
         self.warnings: list[str] = []
         self.defences: list[str] = []
         self.hello: dict = {}
+        self.setup: dict = {}  # the reference's, once it is built
         self.reference = self.warden = self.worker = self.gate1 = self.worker_pid = None
         self._probe_tensor = self._rest_timer = None  # the judge's own CUDA context, on a GPU
         self.held_ms = None  # the last timed call's turn on the GPU, on the judge's events (_reply_seen)
@@ -527,7 +528,7 @@ class Judge:
         bytes but not truncate it (Landlock), and fallocate's collapse-range, which Landlock does
         not cover, is caught here, after the fact (a file shortened under a mapping kills its
         reader). Only the candidate's worker writes the file besides the reference's."""
-        arena = (getattr(self, "setup", None) or {}).get("arena") or {}
+        arena = self.setup.get("arena") or {}
         if arena.get("kind") != "file":
             return None
         try:
